@@ -1,0 +1,41 @@
+# make demo   set up .venv, build, run the replay demo on an embedded synthetic RL run
+# make test   set up .venv, build (CUDA kernels too when a toolkit is present), run the tests
+# CPU_ONLY=1  skip the CUDA sources for fast iteration; FORCE_CUDA=1 fails if they cannot build
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export TORCH_CUDA_ARCH_LIST ?= 9.0
+ifeq ($(CPU_ONLY),1)
+export MASK_REPLAY_CPU_ONLY := 1
+endif
+ifeq ($(FORCE_CUDA),1)
+export MASK_REPLAY_FORCE_CUDA := 1
+endif
+
+.PHONY: venv build test demo bench clean
+
+$(VENV)/.deps: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+venv: $(VENV)/.deps
+
+build: venv
+	MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --inplace
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
+	$(PY) -c "import mask_replay; print('built:', mask_replay.build_info())"
+
+test: build
+	$(PY) -m pytest -q tests
+
+demo: build
+	$(VENV)/bin/mask-replay demo --out demo_out
+
+bench: build
+	$(PY) benchmarks/bench_capture.py
+	$(PY) benchmarks/bench_replay.py
+
+clean:
+	rm -rf build *.egg-info mask_replay/_C*.so

@@ -1,0 +1,58 @@
+// Operator schemas of the mask_replay namespace and the Python module that carries them.
+// Kernels register per device in their own files (TORCH_LIBRARY_IMPL); fake kernels and autograd
+// are registered from Python (mask_replay/_fake.py, mask_replay/replay.py).
+#include <torch/extension.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(mask_replay, m) {
+  // Support of the truncated sampling distribution as CSR. Parameters are per-row tensors
+  // (temperature f32, top_k i64, top_p f64, min_p f64). logz is logsumexp(logits / T) over the
+  // whole row (f32), computed only when compute_logz, else an empty tensor.
+  m.def("capture(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+        "bool compute_logz) -> (Tensor token_ids, Tensor offsets, Tensor logz)");
+  // Same support into a fixed [N, width] buffer padded with -1, per-row counts (the true support
+  // size, which may exceed width) and an overflow flag per row. Never syncs with the host.
+  m.def("capture_fixed(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+        "Tensor min_p, int width) -> (Tensor token_ids, Tensor counts, Tensor overflow)");
+
+  // Replay: log-prob of `sampled` over the CSR support. status per row (int8): 0 replayed,
+  // 1 fell back to the full vocabulary (sampled outside K), 2 fell back (empty row).
+  m.def("replay_fwd(Tensor logits, Tensor token_ids, Tensor offsets, Tensor sampled, "
+        "Tensor temperature, bool fallback) -> (Tensor logp, Tensor lse, Tensor status)");
+  m.def("replay_bwd(Tensor grad, Tensor logits, Tensor token_ids, Tensor offsets, Tensor sampled, "
+        "Tensor temperature, Tensor lse, Tensor status) -> Tensor");
+  m.def("full_fwd(Tensor logits, Tensor sampled, Tensor temperature) -> (Tensor logp, Tensor lse)");
+  m.def("full_bwd(Tensor grad, Tensor logits, Tensor sampled, Tensor temperature, Tensor lse) -> Tensor");
+  m.def("kept_mass(Tensor logits, Tensor token_ids, Tensor offsets, Tensor temperature) -> Tensor");
+  // Sparse LM head: logits only for (row, token in K). bias may be an empty tensor (no bias).
+  m.def("hidden_fwd(Tensor hidden, Tensor weight, Tensor bias, Tensor token_ids, Tensor offsets, "
+        "Tensor sampled, Tensor temperature, bool fallback) -> (Tensor logp, Tensor lse, Tensor status)");
+  m.def("hidden_bwd(Tensor grad, Tensor hidden, Tensor weight, Tensor bias, Tensor token_ids, "
+        "Tensor offsets, Tensor sampled, Tensor temperature, Tensor lse, Tensor status) "
+        "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+}
+
+namespace {
+pybind11::dict build_info() {
+  pybind11::dict d;
+  d["cpu"] = true;
+#if defined(MASK_REPLAY_WITH_CUDA)
+  d["cuda"] = true;
+  d["cuda_arch_list"] = std::string(MASK_REPLAY_CUDA_ARCH_LIST);
+#else
+  d["cuda"] = false;
+  d["cuda_arch_list"] = std::string();
+#endif
+#if defined(__AVX2__)
+  d["cpu_isa"] = std::string("avx2");
+#else
+  d["cpu_isa"] = std::string("baseline");
+#endif
+  d["threads"] = at::get_num_threads();
+  return d;
+}
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("build_info", &build_info, "Which kernels this build of mask_replay._C contains.");
+}

@@ -1,0 +1,3 @@
+from mask_replay.cli.main import main
+
+main()

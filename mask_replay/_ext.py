@@ -1,0 +1,21 @@
+"""Loads the compiled extension, which registers the torch.ops.mask_replay operators."""
+import torch  # noqa: F401  (the extension links against torch's libraries)
+
+try:
+    from mask_replay import _C  # noqa: F401
+except ImportError as exc:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "mask_replay._C is not built. Run `make build` (or `pip install -e . --no-build-isolation`) "
+        f"in the repository first. Original error: {exc}"
+    ) from exc
+
+ops = torch.ops.mask_replay
+
+
+def build_info() -> dict:
+    """Which kernels were compiled: {'cpu': True, 'cuda': bool, 'cuda_arch_list': str, ...}."""
+    info = dict(_C.build_info())
+    info["torch"] = torch.__version__
+    info["torch_cuda"] = torch.version.cuda
+    info["cuda_available"] = torch.cuda.is_available()
+    return info

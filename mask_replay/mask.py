@@ -1,0 +1,247 @@
+"""SamplingMask: the recorded support of each sampled token, as CSR over rows."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+SEMANTICS = "mask-replay/support-v1"
+FORMAT_VERSION = "1"
+_ROW_EXTRAS = ("sampled", "logprobs", "kept_mass")
+_EXTRA_DTYPES = {"sampled": torch.int64, "logprobs": torch.float32, "kept_mass": torch.float32}
+
+
+from mask_replay.io import DumpError
+
+
+class MaskFormatError(DumpError):
+    """A mask (in memory or on disk) breaks the CSR contract; the message names file, key, row."""
+
+
+@dataclass(eq=False)
+class SamplingMask:
+    token_ids: torch.Tensor  # int32 [nnz], strictly ascending within a row
+    offsets: torch.Tensor  # int64 [N + 1]
+    sampled: Optional[torch.Tensor] = None  # int64 [N]
+    logprobs: Optional[torch.Tensor] = None  # float32 [N], processed log-prob over the support
+    kept_mass: Optional[torch.Tensor] = None  # float32 [N], mass of the support under softmax(z/T)
+    extras: dict = field(default_factory=dict)  # other per-row tensors [N] (step, sequence, ...)
+    metadata: dict = field(default_factory=dict)  # str -> str
+
+    # ---- shape -------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    @property
+    def nnz(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_ids.device
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def row(self, i: int) -> torch.Tensor:
+        n = self.num_rows
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for a mask of {n} rows")
+        i %= n
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.token_ids[lo:hi]
+
+    def row_ids(self) -> torch.Tensor:
+        """Row index of every entry of token_ids (int64 [nnz])."""
+        return torch.repeat_interleave(
+            torch.arange(self.num_rows, device=self.device), self.lengths(), output_size=self.nnz
+        )
+
+    # ---- checks ------------------------------------------------------------------------------
+    def validate(self, vocab_size: Optional[int] = None, *, source: str = "mask") -> "SamplingMask":
+        """Check the CSR contract; raises MaskFormatError naming the defect and the first bad row."""
+        t, o = self.token_ids, self.offsets
+        if t.dtype != torch.int32 or t.dim() != 1:
+            raise MaskFormatError(f"{source}: token_ids must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+        if o.dtype != torch.int64 or o.dim() != 1 or o.numel() < 1:
+            raise MaskFormatError(f"{source}: offsets must be a 1-D int64 tensor of N+1 >= 1 entries, got {o.dtype} {tuple(o.shape)}")
+        if t.device != o.device:
+            raise MaskFormatError(f"{source}: token_ids on {t.device} but offsets on {o.device}")
+        oc = o.cpu()
+        if int(oc[0]) != 0:
+            raise MaskFormatError(f"{source}: offsets[0] must be 0, got {int(oc[0])}")
+        steps = oc[1:] - oc[:-1]
+        bad = torch.nonzero(steps < 0)
+        if bad.numel():
+            r = int(bad[0])
+            raise MaskFormatError(f"{source}: offsets decrease at row {r} ({int(oc[r])} -> {int(oc[r + 1])})")
+        if int(oc[-1]) != t.numel():
+            raise MaskFormatError(f"{source}: offsets[-1] = {int(oc[-1])} but token_ids has {t.numel()} entries")
+        tc = t.cpu().long()
+        if tc.numel():
+            if int(tc.min()) < 0:
+                r = self._row_of(int(torch.nonzero(tc < 0)[0]), oc)
+                raise MaskFormatError(f"{source}: negative token id in row {r}")
+            if vocab_size is not None and int(tc.max()) >= vocab_size:
+                r = self._row_of(int(torch.nonzero(tc >= vocab_size)[0]), oc)
+                raise MaskFormatError(f"{source}: token id >= vocab size {vocab_size} in row {r}")
+            # strictly ascending within a row: every adjacent pair inside one row increases
+            same_row = torch.ones(tc.numel() - 1, dtype=torch.bool)
+            starts = oc[1:-1]
+            starts = starts[(starts > 0) & (starts < tc.numel())]
+            same_row[starts - 1] = False
+            bad = torch.nonzero(same_row & (tc[1:] <= tc[:-1]))
+            if bad.numel():
+                r = self._row_of(int(bad[0]), oc)
+                raise MaskFormatError(f"{source}: token ids not strictly ascending in row {r}")
+        n = self.num_rows
+        for name in _ROW_EXTRAS:
+            v = getattr(self, name)
+            if v is not None and (v.dim() != 1 or v.numel() != n):
+                raise MaskFormatError(f"{source}: {name} must have shape [{n}], got {tuple(v.shape)}")
+        for name, v in self.extras.items():
+            if v.dim() != 1 or v.numel() != n:
+                raise MaskFormatError(f"{source}: {name} must have shape [{n}], got {tuple(v.shape)}")
+        if self.sampled is not None and self.sampled.numel() and vocab_size is not None:
+            s = self.sampled.cpu()
+            bad = torch.nonzero((s < 0) | (s >= vocab_size))
+            if bad.numel():
+                raise MaskFormatError(f"{source}: sampled token out of range [0, {vocab_size}) in row {int(bad[0])}")
+        return self
+
+    @staticmethod
+    def _row_of(entry: int, offsets: torch.Tensor) -> int:
+        return int(torch.searchsorted(offsets, torch.tensor(entry), right=True)) - 1
+
+    # ---- conversions -------------------------------------------------------------------------
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
+        dense = torch.zeros(self.num_rows, vocab_size, dtype=torch.bool, device=self.device)
+        if self.nnz:
+            dense[self.row_ids(), self.token_ids.long()] = True
+        return dense
+
+    @classmethod
+    def from_dense(cls, mask: torch.Tensor, **extras) -> "SamplingMask":
+        if mask.dim() != 2 or mask.dtype != torch.bool:
+            raise ValueError(f"from_dense: expects a 2-D bool tensor, got {mask.dtype} {tuple(mask.shape)}")
+        rows, cols = torch.nonzero(mask, as_tuple=True)  # row-major: ascending ids within a row
+        counts = mask.sum(dim=1)
+        offsets = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        return cls._with_extras(cols.to(torch.int32), offsets, extras)
+
+    def to_lists(self) -> list[list[int]]:
+        ids = self.token_ids.cpu().tolist()
+        off = self.offsets.cpu().tolist()
+        return [ids[off[i]: off[i + 1]] for i in range(self.num_rows)]
+
+    @classmethod
+    def from_lists(cls, rows: Iterable[Iterable[int]], **extras) -> "SamplingMask":
+        rows = [sorted(set(int(t) for t in r)) for r in rows]
+        flat = [t for r in rows for t in r]
+        offsets = [0]
+        for r in rows:
+            offsets.append(offsets[-1] + len(r))
+        return cls._with_extras(torch.tensor(flat, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int64), extras)
+
+    @classmethod
+    def _with_extras(cls, token_ids, offsets, extras) -> "SamplingMask":
+        named = {k: extras.pop(k) for k in _ROW_EXTRAS if k in extras}
+        meta = extras.pop("metadata", {})
+        return cls(token_ids, offsets, extras=extras, metadata=meta, **named)
+
+    def to(self, device) -> "SamplingMask":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return SamplingMask(
+            mv(self.token_ids), mv(self.offsets), mv(self.sampled), mv(self.logprobs), mv(self.kept_mass),
+            {k: mv(v) for k, v in self.extras.items()}, dict(self.metadata),
+        )
+
+    def select_rows(self, start: int, stop: int) -> "SamplingMask":
+        """Rows [start, stop) as a new mask (views where possible)."""
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        sl = lambda t: None if t is None else t[start:stop]  # noqa: E731
+        return SamplingMask(
+            self.token_ids[lo:hi], self.offsets[start: stop + 1] - lo, sl(self.sampled), sl(self.logprobs),
+            sl(self.kept_mass), {k: v[start:stop] for k, v in self.extras.items()}, dict(self.metadata),
+        )
+
+    @classmethod
+    def concat(cls, masks: list["SamplingMask"]) -> "SamplingMask":
+        """Rows of several masks one after another (extras kept where every part has them)."""
+        if not masks:
+            return cls(torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+        shifts = [0]
+        for m in masks[:-1]:
+            shifts.append(shifts[-1] + m.nnz)
+        offsets = torch.cat([masks[0].offsets[:1]] + [m.offsets[1:] + s for m, s in zip(masks, shifts)])
+        cat = lambda name: (torch.cat([getattr(m, name) for m in masks])  # noqa: E731
+                            if all(getattr(m, name) is not None for m in masks) else None)
+        keys = set.intersection(*(set(m.extras) for m in masks))
+        return cls(
+            torch.cat([m.token_ids for m in masks]), offsets, cat("sampled"), cat("logprobs"), cat("kept_mass"),
+            {k: torch.cat([m.extras[k] for m in masks]) for k in sorted(keys)}, dict(masks[0].metadata),
+        )
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, SamplingMask):
+            return NotImplemented
+        if not (torch.equal(self.offsets.cpu(), other.offsets.cpu())
+                and torch.equal(self.token_ids.cpu(), other.token_ids.cpu())):
+            return False
+        for name in _ROW_EXTRAS:
+            a, b = getattr(self, name), getattr(other, name)
+            if (a is None) != (b is None) or (a is not None and not torch.equal(a.cpu(), b.cpu())):
+                return False
+        return self.extras.keys() == other.extras.keys() and all(
+            torch.equal(v.cpu(), other.extras[k].cpu()) for k, v in self.extras.items())
+
+    def __repr__(self) -> str:
+        have = [n for n in _ROW_EXTRAS if getattr(self, n) is not None] + sorted(self.extras)
+        return f"SamplingMask(rows={self.num_rows}, nnz={self.nnz}, device={self.device}, extras={have})"
+
+    # ---- files -------------------------------------------------------------------------------
+    def tensors(self) -> dict:
+        out = {"token_ids": self.token_ids, "offsets": self.offsets}
+        for name in _ROW_EXTRAS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        out.update(self.extras)
+        return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+    def file_metadata(self) -> dict:
+        from mask_replay import __version__
+
+        meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in self.metadata.items()}
+        meta.update({"semantics": SEMANTICS, "format_version": FORMAT_VERSION, "mask_replay_version": __version__})
+        return meta
+
+    def save(self, path) -> None:
+        """Write a safetensors file atomically (temp file in the same folder, then rename)."""
+        from safetensors.torch import save_file
+
+        from mask_replay.io import atomic_output
+
+        with atomic_output(path) as tmp:
+            save_file(self.tensors(), tmp, metadata=self.file_metadata())
+
+    @classmethod
+    def load(cls, path, device="cpu", *, validate: bool = True) -> "SamplingMask":
+        from mask_replay.io import read_safetensors
+
+        tensors, meta = read_safetensors(path)
+        for key in ("token_ids", "offsets"):
+            if key not in tensors:
+                raise MaskFormatError(f"{path}: missing key '{key}' (is this a mask file?)")
+        named = {k: tensors.pop(k) for k in _ROW_EXTRAS if k in tensors}
+        mask = cls(tensors.pop("token_ids"), tensors.pop("offsets"), extras=tensors, metadata=meta, **named)
+        if validate:
+            mask.validate(source=str(path))
+        return mask.to(device) if str(device) != "cpu" else mask

@@ -1,0 +1,95 @@
+"""Build of mask_replay._C: C++ kernels always, CUDA kernels when a toolkit and a CUDA torch exist.
+
+Environment switches:
+  MASK_REPLAY_CPU_ONLY=1    never compile the .cu sources (fast iteration)
+  MASK_REPLAY_FORCE_CUDA=1  compile them even if torch sees no GPU (CI: compile and link only)
+  MASK_REPLAY_NO_AVX2=1     build the CPU kernels for baseline x86-64 (portable wheels)
+  TORCH_CUDA_ARCH_LIST      defaults to "9.0" (H200) when unset
+"""
+import glob
+import os
+import platform
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name):
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+def _cuda_home():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not home and os.path.exists("/usr/local/cuda/bin/nvcc"):
+        home = "/usr/local/cuda"
+    return home
+
+
+def _want_cuda():
+    if _flag("MASK_REPLAY_CPU_ONLY"):
+        return False
+    import torch
+
+    have_toolkit = _cuda_home() is not None and os.path.exists(os.path.join(_cuda_home(), "bin", "nvcc"))
+    have_cuda_torch = torch.version.cuda is not None
+    if _flag("MASK_REPLAY_FORCE_CUDA"):
+        if not (have_toolkit and have_cuda_torch):
+            raise RuntimeError(
+                "MASK_REPLAY_FORCE_CUDA=1 but the CUDA build is impossible: "
+                f"toolkit={'found' if have_toolkit else 'missing'} (CUDA_HOME={_cuda_home()}), "
+                f"torch.version.cuda={torch.version.cuda}"
+            )
+        return True
+    return have_toolkit and have_cuda_torch
+
+
+def _cpu_arch_flags():
+    if _flag("MASK_REPLAY_NO_AVX2") or platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return []
+    return ["-mavx2", "-mfma"] if (" avx2" in info and " fma" in info) else []
+
+
+def extensions():
+    with_cuda = _want_cuda()
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    # Shared kernel math must round the same on host and device: no FMA contraction on the host.
+    cxx = ["-O3", "-std=c++20", "-ffp-contract=off", "-fno-math-errno"] + _cpu_arch_flags()
+    define_macros = []
+    if with_cuda:
+        os.environ["CUDA_HOME"] = _cuda_home()
+        cpp_extension.CUDA_HOME = _cuda_home()
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+        sources += sorted(glob.glob(os.path.join("csrc", "*.cu")))
+        define_macros.append(("MASK_REPLAY_WITH_CUDA", "1"))
+        define_macros.append(("MASK_REPLAY_CUDA_ARCH_LIST", '"' + os.environ["TORCH_CUDA_ARCH_LIST"] + '"'))
+        nvcc = ["-O3", "-std=c++20", "--fmad=false", "-lineinfo"]
+        ext = cpp_extension.CUDAExtension(
+            "mask_replay._C", sources, define_macros=define_macros,
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, include_dirs=[os.path.join(ROOT, "csrc")],
+        )
+    else:
+        ext = cpp_extension.CppExtension(
+            "mask_replay._C", sources, define_macros=define_macros,
+            extra_compile_args={"cxx": cxx}, include_dirs=[os.path.join(ROOT, "csrc")],
+        )
+    return [ext]
+
+
+setup(
+    name="mask-replay",
+    version="0.1.0",
+    description="Sampling-distribution replay for RL training of language models",
+    packages=find_packages(include=["mask_replay", "mask_replay.*"]),
+    ext_modules=extensions(),
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    install_requires=["torch", "click", "safetensors", "numpy", "rich", "tqdm", "matplotlib"],
+    entry_points={"console_scripts": ["mask-replay=mask_replay.cli.main:main"]},
+)
