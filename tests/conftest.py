@@ -1,0 +1,21 @@
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import settings
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests import the references as plain modules
+
+settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
+settings.register_profile("dev", max_examples=25, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device here (CUDA kernels are compiled, not run)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
