@@ -165,8 +165,11 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   const int64_t k = prm.top_k;
 
   MassSums sums;
+  // Cut-offs below the max for the top-p start (x units; exp(-16) ~ 1e-7 of the max's mass).
+  const float cut[kCuts] = {thr, std::max(thr, mr_add(m, -1.0f)), std::max(thr, mr_add(m, -3.0f)),
+                            std::max(thr, mr_add(m, -7.0f)), std::max(thr, mr_add(m, -16.0f))};
   const bool need_sums = want_logz || (use_top_p && k <= 0);
-  if (need_sums) sums = mass_sums(x, v, m, thr);
+  if (need_sums) sums = mass_sums(x, v, m, cut);
   if (want_logz) res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(sums.all) / kMassScaleD));
 
   constexpr size_t kNoLimit = ~size_t(0) >> 1;
@@ -190,7 +193,16 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
                                            s.ma, s.kb, s.mb));
     }
   } else if (use_top_p) {
-    const int64_t total = sums.survivors;
+    const int64_t total = sums.above[0];
+    // Entries below a cut-off whose upper part already holds p * Z have at least that much mass
+    // strictly above them: none of them can be kept, so the scan starts at the highest such cut.
+    float start = thr;
+    for (int j = 1; j < kCuts; ++j) {
+      if (!below_top_p(sums.above[j], prm.top_p, total)) {
+        start = cut[j];
+        break;
+      }
+    }
     auto raise = [&](Scratch& sc) {
       gather_masses(x, m, sc.cand, sc.mass, nullptr);
       return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma,
@@ -199,11 +211,11 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
     // Every mass is at most the max's (1.0 in these units), so the support holds at least
     // p * total / 2^40 tokens: past the filter's limit, go straight to the histogram.
     const bool wide = prm.top_p * (static_cast<double>(total) / kMassScaleD) > 4096.0;
-    if (!wide && filter_row(x, v, thr, 1024, 8192, s, raise)) {
+    if (!wide && filter_row(x, v, start, 1024, 8192, s, raise)) {
       gather_keys(x, s.cand, s.keys);
       keep_at_least(s, raise(s));
     } else {
-      select_by_histogram(x, v, m, thr, 0, prm.top_p, total, s);
+      select_by_histogram(x, v, m, start, 0, prm.top_p, total, s);
     }
   } else {
     filter_row(x, v, thr, kNoLimit, kNoLimit, s, [](Scratch&) { return 0u; });
