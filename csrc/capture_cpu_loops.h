@@ -205,7 +205,10 @@ inline int64_t scan_at_least(const float* x, int64_t begin, int64_t v, float tau
 // filtering scan to stay small (flat distributions, large k).
 constexpr int kHistBits = 11;
 constexpr int kHistBins = 1 << kHistBits;
+// Neighbouring lanes often hit the same bin; separate copies break the store-to-load chains.
+constexpr int kHistWays = 4;
 
+// count and mass hold kHistWays * kHistBins zeroed entries; the result is in the first kHistBins.
 inline void histogram_row(const float* x, int64_t v, float m, float thr, int64_t* count, int64_t* mass) {
   int64_t i = 0;
 #if MR_CPU_AVX2
@@ -224,7 +227,7 @@ inline void histogram_row(const float* x, int64_t v, float m, float thr, int64_t
     while (live) {
       const int j = __builtin_ctz(live);
       live &= live - 1;
-      const uint32_t b = keys[j] >> (32 - kHistBits);
+      const uint32_t b = (keys[j] >> (32 - kHistBits)) + (j & (kHistWays - 1)) * kHistBins;
       ++count[b];
       if (mass) mass[b] += static_cast<int64_t>(q[j]);
     }
@@ -235,6 +238,12 @@ inline void histogram_row(const float* x, int64_t v, float m, float thr, int64_t
     const uint32_t b = order_key(x[i]) >> (32 - kHistBits);
     ++count[b];
     if (mass) mass[b] += mass_q(det_exp(mr_add(x[i], -m)));
+  }
+  for (int w = 1; w < kHistWays; ++w) {
+    for (int b = 0; b < kHistBins; ++b) {
+      count[b] += count[w * kHistBins + b];
+      if (mass) mass[b] += mass[w * kHistBins + b];
+    }
   }
 }
 
