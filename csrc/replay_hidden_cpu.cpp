@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "replay_checks.h"
@@ -130,8 +132,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
                    st = status.contiguous();
   const int64_t nnz = ids.numel();
   at::Tensor gh = at::empty({n, d}, hidden.options());
-  at::Tensor gw = at::zeros({vocab, d}, weight.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor gb = hd.bias ? at::zeros({vocab}, bias.options()) : at::empty({0}, hidden.options());
+  // Written completely by pass 2 (zeros outside the supports).
+  at::Tensor gw = at::empty({vocab, d}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor gb = hd.bias ? at::empty({vocab}, bias.options()) : at::empty({0}, hidden.options());
   const auto acc_t = replay_out_dtype(hidden.scalar_type());
   at::Tensor coef = at::zeros({nnz}, hidden.options().dtype(acc_t));
   at::Tensor row_of = at::empty({nnz}, hidden.options().dtype(at::kLong));
@@ -173,39 +176,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
         for (int64_t k = 0; k < d; ++k) ghp[r * d + k] = static_cast<scalar_t>(acc[k]);
       }
     });
-    // Pass 2: grad_weight[j] = sum over entries of token j of c * h[row]. Entries grouped by token
-    // (stable sort) so every weight row is summed by one thread in a fixed order: deterministic,
-    // no atomics, and accumulated in A even for bf16 weights.
-    if (nnz == 0) return;
-    auto sorted = at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-    const at::Tensor sids = std::get<0>(sorted).contiguous(), order = std::get<1>(sorted).contiguous();
-    const int32_t* sip = sids.const_data_ptr<int32_t>();
-    const int64_t* orp = order.const_data_ptr<int64_t>();
-    std::vector<int64_t> starts;
-    for (int64_t q = 0; q < nnz; ++q)
-      if (q == 0 || sip[q] != sip[q - 1]) starts.push_back(q);
-    starts.push_back(nnz);
+    // Pass 2: grad_weight[j] = sum over entries of token j of c * h[row], rows of the vocabulary
+    // in parallel. Entries are grouped by token (stable sort) so each weight row is summed by one
+    // thread in a fixed order: deterministic, no atomics, accumulated in A even for bf16 weights.
+    // Rows of tokens in no support are zeroed in the same pass, so the [V, d] gradient is written
+    // once (a separate zero fill would double the dominant memory traffic).
+    at::Tensor sids, order;
+    if (nnz > 0) std::tie(sids, order) = at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const int32_t* sip = nnz > 0 ? sids.const_data_ptr<int32_t>() : nullptr;
+    const int64_t* orp = nnz > 0 ? order.const_data_ptr<int64_t>() : nullptr;
+    std::vector<int64_t> seg_start(vocab + 1, -1);  // first sorted position of token j, or -1
+    for (int64_t q = nnz - 1; q >= 0; --q)
+      if (sip[q] >= 0 && sip[q] < vocab) seg_start[sip[q]] = q;
     scalar_t* gwp = gw.data_ptr<scalar_t>();
     scalar_t* gbp = hd.bias ? gb.data_ptr<scalar_t>() : nullptr;
-    const int64_t segs = static_cast<int64_t>(starts.size()) - 1;
-    at::parallel_for(0, segs, 4, [&](int64_t s0, int64_t s1) {
+    at::parallel_for(0, vocab, 256, [&](int64_t j0, int64_t j1) {
       std::vector<A> acc(d);
-      for (int64_t sg = s0; sg < s1; ++sg) {
-        const int64_t j = sip[starts[sg]];
-        if (j < 0 || j >= vocab) continue;
+      for (int64_t j = j0; j < j1; ++j) {
+        scalar_t* out = gwp + j * d;
+        if (seg_start[j] < 0) {
+          std::memset(static_cast<void*>(out), 0, sizeof(scalar_t) * d);
+          if (gbp) gbp[j] = scalar_t(0);
+          continue;
+        }
         std::fill(acc.begin(), acc.end(), A(0));
         double bsum = 0.0;
-        bool any = false;
-        for (int64_t q = starts[sg]; q < starts[sg + 1]; ++q) {
+        for (int64_t q = seg_start[j]; q < nnz && sip[q] == j; ++q) {
           const int64_t e = orp[q];
           const A c = cp[e];
           if (c == A(0)) continue;
-          any = true;
           axpy(c, hp + rp[e] * d, acc.data(), d);
           bsum += static_cast<double>(c);
         }
-        if (!any) continue;
-        for (int64_t k = 0; k < d; ++k) gwp[j * d + k] = static_cast<scalar_t>(acc[k]);
+        for (int64_t k = 0; k < d; ++k) out[k] = static_cast<scalar_t>(acc[k]);
         if (gbp) gbp[j] = static_cast<scalar_t>(bsum);
       }
     });

@@ -56,7 +56,7 @@ MR_HD void lse_merge(A& m, double& s, A m2, double s2) {
   if (m2 > m) {
     s = s * static_cast<double>(exp_nonpos(static_cast<A>(m - m2))) + s2;
     m = m2;
-  } else if (!(m2 == neg_inf<A>())) {
+  } else if (!(m2 == neg_inf<A>()) || s2 != s2) {  // a part that saw only -inf and NaN is NaN
     s += s2 * static_cast<double>(exp_nonpos(static_cast<A>(m2 - m)));
   }
 }
