@@ -432,3 +432,41 @@ def test_property_replay_matches_reference(n, v, seed, dtype, scalar_t, empty, o
     assert maxabs(g.double() - g_truth) <= tol_from_reference(g_truth, g_low.to(dtype).double(), g_floor)
     kept = mr.kept_mass(z, mask, temp)
     assert ((kept >= 0) & (kept <= 1 + 1e-6)).all()
+
+
+@given(
+    n=st.integers(0, 6),
+    v=st.integers(1, 30),
+    d=st.integers(1, 19),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    with_bias=st.booleans(),
+    outside=st.booleans(),
+)
+def test_property_hidden_matches_reference(n, v, d, seed, dtype, with_bias, outside):
+    _, mask, y, t = make_case(n, v, seed=seed, max_k=v, empty=0.2)
+    if outside and n:
+        y = torch.randint(v, (n,), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g).to(dtype)
+    w = torch.randn(v, d, generator=g).to(dtype)
+    b = torch.randn(v, generator=g).to(dtype) if with_bias else None
+    dm = dense(mask, v)
+    lp, status = mr.replay_logprobs_from_hidden(h, w, mask, y, t, b, fallback=True, return_status=True)
+    truth = hidden_ref(h, w, b, dm, y, t, fallback=True)
+    low = hidden_ref(h, w, b, dm, y, t, fallback=True, dtype=torch.float32)
+    floor = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
+    assert maxabs(lp.double() - truth) <= tol_from_reference(truth, low, floor)
+    args = (h, w) + ((b,) if with_bias else ())
+    ours = grads(lambda *a: mr.replay_logprobs_from_hidden(a[0], a[1], mask, y, t, a[2] if with_bias else None,
+                                                           fallback=True), *args)
+    exact = grads(lambda *a: hidden_ref(a[0], a[1], a[2] if with_bias else None, dm, y, t, fallback=True),
+                  *[a.double() for a in args])
+    for o, e in zip(ours, exact):
+        assert o.dtype == dtype
+        scale = 1.0 + float(e.abs().max()) if e.numel() else 1.0
+        assert maxabs(o.double() - e) <= floor * scale * (4 if dtype == torch.bfloat16 else 1)
+    used = dm.any(0) if n else torch.zeros(v, dtype=torch.bool)
+    fell_back = (status != 0).any()
+    if not fell_back:  # only rows of some support get a weight gradient
+        assert (ours[1][~used] == 0).all()
