@@ -35,6 +35,11 @@ constexpr int kThreads = 512;
 constexpr int64_t kMinChunk = 2048;    // below this, splitting a row costs more than it gains
 constexpr int kBlocksPerSm = 4;        // target occupancy when rows are few
 constexpr int64_t kMaxVocab = 1 << 23; // keeps V * 2^40 (the all-tied row's mass) below 2^63
+// Candidate buffer per row: as large as 64 MiB for the batch allows, up to 16384 entries (one
+// block histograms that many in a few microseconds); below 256 entries it is not worth a pass.
+constexpr int64_t kCandBytes = int64_t{64} << 20;
+constexpr int64_t kCandEntryBytes = 12;  // uint32 key + uint64 mass
+constexpr int64_t kMinCand = 256, kMaxCand = 16384;
 
 enum Status : int {
   kOk = 0,
@@ -61,10 +66,17 @@ struct alignas(16) RowState {
   unsigned int prefix_k, prefix_p;
   int greedy, topk_on, topp_on;
   float m;                    // max of finite x
+  unsigned int cand_count;    // entries appended to the candidate buffer (atomicAdd)
+  int cand_state;             // kCand* below
 };
+
+// Once the current bucket holds at most cand_cap entries, the next pass copies them (key, mass)
+// into a per-row buffer while it histograms them, and the passes after it read only the buffer.
+enum CandState : int { kCandNone = 0, kCandCollect = 1, kCandReady = 2 };
 
 struct Geometry {
   int64_t n, v, row_stride, chunk;
+  int64_t cand_cap;  // 0: no candidate buffer
   int blocks_per_row;
 };
 
@@ -180,6 +192,8 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
   st->mass_above = 0;
   st->total_mass = 0;
   st->kneed = k;
+  st->cand_count = 0;
+  st->cand_state = kCandNone;
   if (status != kOk || greedy) return;
   const float m = key_value(atomicMax(&st->max_key, 0u));
   st->m = m;
@@ -193,6 +207,20 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
   st->topp_on = top_p_active(p) ? 1 : 0;
 }
 
+// Candidate-buffer state after a pass chose a bucket of `in_bucket` entries. Collecting pays only
+// when a later pass reads the buffer, so it starts at pass 1 or 2. False if a collection overran.
+__device__ bool advance_candidates(RowState* st, int cstate, int pass, unsigned int in_bucket,
+                                   int64_t cap) {
+  if (cstate == kCandCollect) {
+    if (atomicAdd(&st->cand_count, 0u) > cap) return false;
+    st->cand_state = kCandReady;
+  } else if (cstate == kCandNone && pass <= 1 && in_bucket <= cap) {
+    st->cand_count = 0;
+    st->cand_state = kCandCollect;
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------------
 // One radix pass of the top-k (TOPP = false) or top-p (TOPP = true) selection. Pass 0 of top-k
 // also sums the normaliser for logz and learns |S0|, which decides whether top-k is active.
@@ -202,6 +230,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
               const double* __restrict__ top_p, RowState* __restrict__ states, int pass,
               bool want_logz, float* __restrict__ logz_out, unsigned int* __restrict__ g_count,
               unsigned long long* __restrict__ g_mass, double* __restrict__ g_part,
+              unsigned int* __restrict__ cand_key, unsigned long long* __restrict__ cand_mass,
               int* __restrict__ status_out) {
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage reduce_tmp;
@@ -215,6 +244,9 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
   const bool logz_here = !TOPP && pass == 0 && want_logz;
   const bool on = TOPP ? st->topp_on != 0 : st->topk_on != 0;
   if (!on && !logz_here) return;
+  const int cstate = on ? st->cand_state : kCandNone;
+  const bool buffered = cstate == kCandReady;
+  if (buffered && sl.block != 0) return;  // the buffer is small: one block reads it and decides
 
   const scalar_t* z = logits + sl.row * g.row_stride;
   const float t = temp[sl.row];
@@ -230,26 +262,48 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
   }
   __syncthreads();
 
+  unsigned int* ck = cand_key + sl.row * g.cand_cap;
+  unsigned long long* cm = cand_mass + sl.row * g.cand_cap;
   double local = 0.0;
-  for (int64_t i = sl.begin + threadIdx.x; i < sl.end; i += blockDim.x) {
-    const float x = load_x(z, i, t);
-    if (!isfinite(x)) continue;
-    if (logz_here) local += static_cast<double>(det_exp(mr_add(x, neg_m)));
-    if (!on) continue;
-    const unsigned int key = order_key(x);
-    if (key < lo || (key & pmask) != prefix) continue;
-    const int d = radix_digit(key, pass);
-    atomicAdd(&s_count[d], 1u);
-    if (TOPP) {
-      const int64_t q = mass_q(det_exp(mr_add(x, neg_m)));
-      if (q) atomicAdd(&s_mass[d], static_cast<unsigned long long>(q));
+  if (buffered) {
+    const int64_t nc = st->cand_count;
+    for (int64_t j = threadIdx.x; j < nc; j += blockDim.x) {
+      const unsigned int key = ck[j];
+      if ((key & pmask) != prefix) continue;
+      const int d = radix_digit(key, pass);
+      atomicAdd(&s_count[d], 1u);
+      if (TOPP && cm[j]) atomicAdd(&s_mass[d], cm[j]);
+    }
+  } else {
+    const bool collect = cstate == kCandCollect;
+    for (int64_t i = sl.begin + threadIdx.x; i < sl.end; i += blockDim.x) {
+      const float x = load_x(z, i, t);
+      if (!isfinite(x)) continue;
+      if (logz_here) local += static_cast<double>(det_exp(mr_add(x, neg_m)));
+      if (!on) continue;
+      const unsigned int key = order_key(x);
+      if (key < lo || (key & pmask) != prefix) continue;
+      const int d = radix_digit(key, pass);
+      atomicAdd(&s_count[d], 1u);
+      unsigned long long q = 0;
+      if (TOPP) {
+        q = static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m))));
+        if (q) atomicAdd(&s_mass[d], q);
+      }
+      if (collect) {
+        const unsigned int pos = atomicAdd(&st->cand_count, 1u);
+        if (pos < g.cand_cap) {  // always, as the previous pass counted this bucket
+          ck[pos] = key;
+          if (TOPP) cm[pos] = q;
+        }
+      }
     }
   }
   double block_sum = 0.0;
   if (logz_here) block_sum = Reduce(reduce_tmp).Sum(local);  // fixed tree: deterministic
   __syncthreads();
 
-  if (g.blocks_per_row > 1) {
+  if (g.blocks_per_row > 1 && !buffered) {
     unsigned int* gc = g_count + sl.row * kRadixBins;
     unsigned long long* gm = g_mass + sl.row * kRadixBins;
     if (on) {
@@ -297,7 +351,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     }
     int64_t need = st->kneed;
     const int d = select_topk_digit(s_count, need);
-    if (d < 0) {
+    if (d < 0 || !advance_candidates(st, cstate, pass, s_count[d], g.cand_cap)) {
       st->status = kInternal;
       status_out[sl.row] = kInternal;
       st->topk_on = 0;
@@ -309,6 +363,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     if (pass == 3) {
       st->k1 = pre;
       st->topk_on = 0;
+      st->cand_state = kCandNone;  // top-p collects its own candidates
     }
   } else {
     if (pass == 0) {
@@ -318,7 +373,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     }
     int64_t above = st->mass_above;
     const int d = select_topp_digit(s_count, s_mass, above, top_p[sl.row], st->total_mass);
-    if (d < 0) {
+    if (d < 0 || !advance_candidates(st, cstate, pass, s_count[d], g.cand_cap)) {
       st->status = kInternal;
       status_out[sl.row] = kInternal;
       st->topp_on = 0;
@@ -439,11 +494,13 @@ Geometry make_geometry(const at::Tensor& z) {
   g.chunk = (g.v + b - 1) / b;
   g.blocks_per_row = static_cast<int>((g.v + g.chunk - 1) / g.chunk);  // no empty slices
   TORCH_CHECK(g.n * g.blocks_per_row <= std::numeric_limits<int32_t>::max(), "capture: too many rows (", g.n, ")");
+  const int64_t cap = kCandBytes / (g.n * kCandEntryBytes);
+  g.cand_cap = cap < kMinCand ? 0 : (cap < kMaxCand ? cap : kMaxCand);
   return g;
 }
 
 struct Workspace {
-  at::Tensor states, status, g_count, g_mass, g_part, block_counts;
+  at::Tensor states, status, g_count, g_mass, g_part, block_counts, cand_key, cand_mass;
 };
 
 Workspace make_workspace(const Geometry& g, const at::TensorOptions& dev) {
@@ -456,6 +513,10 @@ Workspace make_workspace(const Geometry& g, const at::TensorOptions& dev) {
     w.g_part = at::empty({g.n * g.blocks_per_row}, dev.dtype(at::kDouble));
   }
   w.block_counts = at::empty({g.n * g.blocks_per_row}, dev.dtype(at::kLong));
+  if (g.cand_cap > 0) {
+    w.cand_key = at::empty({g.n * g.cand_cap}, dev.dtype(at::kInt));
+    w.cand_mass = at::empty({g.n * g.cand_cap}, dev.dtype(at::kLong));
+  }
   return w;
 }
 
@@ -479,6 +540,8 @@ void select_support(const at::Tensor& z, const Geometry& g, Workspace& w, const 
   auto* gc = ptr_or_null<unsigned int>(w.g_count);
   auto* gm = ptr_or_null<unsigned long long>(w.g_mass);
   auto* gp = ptr_or_null<double>(w.g_part);
+  auto* ck = ptr_or_null<unsigned int>(w.cand_key);
+  auto* cm = ptr_or_null<unsigned long long>(w.cand_mass);
 
   stats_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(zp, g, t, top_k.data_ptr<int64_t>(), p,
                                                         min_p.data_ptr<double>(), log_min_p, states,
@@ -488,14 +551,14 @@ void select_support(const at::Tensor& z, const Geometry& g, Workspace& w, const 
   if (any_topk || want_logz) {
     for (int pass = 0; pass < 4 && (pass == 0 || any_topk); ++pass) {
       select_kernel<scalar_t, false><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, want_logz,
-                                                                   logz, gc, gm, gp, w.status.data_ptr<int>());
+                                                                   logz, gc, gm, gp, ck, cm, w.status.data_ptr<int>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
   if (any_topp) {
     for (int pass = 0; pass < 4; ++pass) {
       select_kernel<scalar_t, true><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, false,
-                                                                  nullptr, gc, gm, gp, w.status.data_ptr<int>());
+                                                                  nullptr, gc, gm, gp, ck, cm, w.status.data_ptr<int>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
