@@ -20,6 +20,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -50,15 +51,21 @@ enum Status : int {
   kBadParam = 5,
   kInternal = 6,
 };
-enum Flag : unsigned int { kFlagNaN = 1, kFlagPosInf = 2, kFlagOverflow = 4, kFlagFinite = 8 };
+// The first defective column decides the message, as in the CPU kernel's scan: defects are
+// packed as ~(column << 8 | status), so an unsigned max over a zeroed slot finds the first one.
+__host__ __device__ __forceinline__ unsigned long long pack_defect(int64_t col, int status) {
+  return ~((static_cast<unsigned long long>(col) << 8) | static_cast<unsigned long long>(status));
+}
 
 // Per-row state carried between launches. Zeroed before the first launch.
 struct alignas(16) RowState {
   unsigned long long argmax;  // greedy rows: pack_argmax over finite values (atomicMax)
+  unsigned long long defect;  // pack_defect of the first NaN / +inf / overflow (atomicMax)
+  unsigned long long mass_all;  // logz: sum of all masses (atomicAdd, exact)
   long long kneed;            // top-k: rank of the k-th key inside the current bucket
   long long mass_above;       // top-p: mass of the domain above the current bucket
   long long total_mass;       // top-p: Z
-  unsigned int flags;         // Flag bits (atomicOr)
+  unsigned int any_finite;    // some x is finite (atomicOr)
   unsigned int max_key;       // order_key of the largest finite x (atomicMax)
   unsigned int done;          // blocks of this row done with the current launch
   int status;
@@ -107,54 +114,57 @@ __global__ void __launch_bounds__(kThreads)
 stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
              const int64_t* __restrict__ top_k, const double* __restrict__ top_p,
              const double* __restrict__ min_p, const float* __restrict__ log_min_p,
-             RowState* __restrict__ states, int* __restrict__ status_out) {
+             RowState* __restrict__ states, int64_t* __restrict__ status_out) {
   const Slice sl = my_slice(g);
   const scalar_t* z = logits + sl.row * g.row_stride;
   RowState* st = states + sl.row;
   const float t = temp[sl.row];
   const bool greedy = t == 0.0f;
 
-  unsigned int flags = 0, mk = 0;
-  unsigned long long am = 0;
+  unsigned int finite = 0, mk = 0;
+  unsigned long long am = 0, bad = 0;
   for (int64_t i = sl.begin + threadIdx.x; i < sl.end; i += blockDim.x) {
     const float v = static_cast<float>(z[i]);
     if (isnan(v)) {
-      flags |= kFlagNaN;
+      if (!bad) bad = pack_defect(i, kNaN);  // i only grows: a thread's first defect is its earliest
     } else if (v == -kNegInf) {
-      flags |= kFlagPosInf;
+      if (!bad) bad = pack_defect(i, kPosInf);
     } else if (greedy) {
       if (v != kNegInf) {
-        flags |= kFlagFinite;
+        finite = 1;
         const unsigned long long p = pack_argmax(order_key(v), i);
         am = p > am ? p : am;
       }
     } else {
       const float x = mr_div(v, t);
       if (x == -kNegInf) {
-        flags |= kFlagOverflow;
+        if (!bad) bad = pack_defect(i, kOverflow);
       } else if (isfinite(x)) {
-        flags |= kFlagFinite;
+        finite = 1;
         const unsigned int k = order_key(x);
         mk = k > mk ? k : mk;
       }
     }
   }
-  __shared__ unsigned int s_flags, s_max;
-  __shared__ unsigned long long s_arg;
+  __shared__ unsigned int s_finite, s_max;
+  __shared__ unsigned long long s_arg, s_bad;
   if (threadIdx.x == 0) {
-    s_flags = 0;
+    s_finite = 0;
     s_max = 0;
     s_arg = 0;
+    s_bad = 0;
   }
   __syncthreads();
-  if (flags) atomicOr(&s_flags, flags);
+  if (finite) atomicOr(&s_finite, 1u);
   if (mk) atomicMax(&s_max, mk);
   if (am) atomicMax(&s_arg, am);
+  if (bad) atomicMax(&s_bad, bad);
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (s_flags) atomicOr(&st->flags, s_flags);
+    if (s_finite) atomicOr(&st->any_finite, 1u);
     if (s_max) atomicMax(&st->max_key, s_max);
     if (s_arg) atomicMax(&st->argmax, s_arg);
+    if (s_bad) atomicMax(&st->defect, s_bad);
   }
   __shared__ bool last;
   __threadfence();
@@ -164,24 +174,26 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
   if (!last || threadIdx.x != 0) return;
   __threadfence();
 
-  const unsigned int all = atomicOr(&st->flags, 0u);
+  const unsigned long long slot = atomicMax(&st->defect, 0ull);
+  const bool has_defect = slot != 0;
+  const unsigned long long defect = ~slot;
   const double p = top_p[sl.row], mp = min_p[sl.row];
   const int64_t k = top_k[sl.row];
   int status = kOk;
+  int64_t report = 0;  // status | column << 8, for the host's message
   if (!(t >= 0.0f) || isinf(t) || !(p > 0.0 && p <= 1.0) || !(mp >= 0.0 && mp <= 1.0)) {
     status = kBadParam;
-  } else if (all & kFlagNaN) {
-    status = kNaN;
-  } else if (all & kFlagPosInf) {
-    status = kPosInf;
-  } else if (all & kFlagOverflow) {
-    status = kOverflow;
-  } else if (!(all & kFlagFinite)) {
+    report = status;
+  } else if (has_defect) {
+    status = static_cast<int>(defect & 0xffull);
+    report = static_cast<int64_t>(defect);
+  } else if (!atomicOr(&st->any_finite, 0u)) {
     status = kNoFinite;
+    report = status;
   }
   st->done = 0;
   st->status = status;
-  status_out[sl.row] = status;
+  status_out[sl.row] = report;
   st->greedy = greedy ? 1 : 0;
   st->topk_on = 0;
   st->topp_on = 0;
@@ -229,10 +241,9 @@ __global__ void __launch_bounds__(kThreads)
 select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
               const double* __restrict__ top_p, RowState* __restrict__ states, int pass,
               bool want_logz, float* __restrict__ logz_out, unsigned int* __restrict__ g_count,
-              unsigned long long* __restrict__ g_mass, double* __restrict__ g_part,
-              unsigned int* __restrict__ cand_key, unsigned long long* __restrict__ cand_mass,
-              int* __restrict__ status_out) {
-  using Reduce = cub::BlockReduce<double, kThreads>;
+              unsigned long long* __restrict__ g_mass, unsigned int* __restrict__ cand_key,
+              unsigned long long* __restrict__ cand_mass, int64_t* __restrict__ status_out) {
+  using Reduce = cub::BlockReduce<unsigned long long, kThreads>;
   __shared__ typename Reduce::TempStorage reduce_tmp;
   __shared__ unsigned int s_count[kRadixBins];
   __shared__ unsigned long long s_mass[kRadixBins];
@@ -264,7 +275,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
 
   unsigned int* ck = cand_key + sl.row * g.cand_cap;
   unsigned long long* cm = cand_mass + sl.row * g.cand_cap;
-  double local = 0.0;
+  unsigned long long local = 0;  // logz: exact fixed-point sum, as the CPU kernel takes it
   if (buffered) {
     const int64_t nc = st->cand_count;
     for (int64_t j = threadIdx.x; j < nc; j += blockDim.x) {
@@ -279,7 +290,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     for (int64_t i = sl.begin + threadIdx.x; i < sl.end; i += blockDim.x) {
       const float x = load_x(z, i, t);
       if (!isfinite(x)) continue;
-      if (logz_here) local += static_cast<double>(det_exp(mr_add(x, neg_m)));
+      if (logz_here) local += static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m))));
       if (!on) continue;
       const unsigned int key = order_key(x);
       if (key < lo || (key & pmask) != prefix) continue;
@@ -299,8 +310,8 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
       }
     }
   }
-  double block_sum = 0.0;
-  if (logz_here) block_sum = Reduce(reduce_tmp).Sum(local);  // fixed tree: deterministic
+  unsigned long long block_sum = 0;
+  if (logz_here) block_sum = Reduce(reduce_tmp).Sum(local);
   __syncthreads();
 
   if (g.blocks_per_row > 1 && !buffered) {
@@ -312,7 +323,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
         if (TOPP && s_mass[d]) atomicAdd(&gm[d], s_mass[d]);
       }
     }
-    if (logz_here && threadIdx.x == 0) g_part[sl.row * g.blocks_per_row + sl.block] = block_sum;
+    if (logz_here && threadIdx.x == 0 && block_sum) atomicAdd(&st->mass_all, block_sum);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0)
@@ -328,16 +339,14 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
       }
     }
     __syncthreads();
-    if (logz_here && threadIdx.x == 0) {
-      block_sum = 0.0;  // summed in block order, so the result does not depend on timing
-      for (int b = 0; b < g.blocks_per_row; ++b)
-        block_sum += __ldcg(&g_part[sl.row * g.blocks_per_row + b]);
-    }
+    if (logz_here && threadIdx.x == 0) block_sum = atomicAdd(&st->mass_all, 0ull);
   }
   if (threadIdx.x != 0) return;
   st->done = 0;
-  if (logz_here)
-    logz_out[sl.row] = static_cast<float>(static_cast<double>(m) + log(block_sum));
+  if (logz_here) {
+    const double all = static_cast<double>(static_cast<int64_t>(block_sum));
+    logz_out[sl.row] = static_cast<float>(static_cast<double>(m) + log(all / kMassScaleD));
+  }
   if (!on) return;
 
   if (!TOPP) {
@@ -471,13 +480,21 @@ fill_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __rest
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-// An attribute query, not a stream operation: safe under graph capture and never a sync.
-// (ATen/cuda/CUDAContext.h would give the cached properties but drags in cuSPARSE headers that
-// compile-only toolkits lack.)
+// Queried once per device (first call, normally outside any graph capture) and never a sync.
+// ATen/cuda/CUDAContext.h would give cached properties but drags in cuSPARSE headers that
+// compile-only toolkits lack.
 int sm_count(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  if (device >= 0 && device < kMaxDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms > 0 ? sms : 1;
+  sms = sms > 0 ? sms : 1;
+  if (device >= 0 && device < kMaxDevices) cache[device].store(sms, std::memory_order_relaxed);
+  return sms;
 }
 
 Geometry make_geometry(const at::Tensor& z) {
@@ -500,17 +517,16 @@ Geometry make_geometry(const at::Tensor& z) {
 }
 
 struct Workspace {
-  at::Tensor states, status, g_count, g_mass, g_part, block_counts, cand_key, cand_mass;
+  at::Tensor states, status, g_count, g_mass, block_counts, cand_key, cand_mass;
 };
 
 Workspace make_workspace(const Geometry& g, const at::TensorOptions& dev) {
   Workspace w;
   w.states = at::zeros({g.n * static_cast<int64_t>(sizeof(RowState))}, dev.dtype(at::kByte));
-  w.status = at::empty({g.n}, dev.dtype(at::kInt));
+  w.status = at::empty({g.n}, dev.dtype(at::kLong));
   if (g.blocks_per_row > 1) {
     w.g_count = at::zeros({g.n * kRadixBins}, dev.dtype(at::kInt));
     w.g_mass = at::zeros({g.n * kRadixBins}, dev.dtype(at::kLong));
-    w.g_part = at::empty({g.n * g.blocks_per_row}, dev.dtype(at::kDouble));
   }
   w.block_counts = at::empty({g.n * g.blocks_per_row}, dev.dtype(at::kLong));
   if (g.cand_cap > 0) {
@@ -539,26 +555,25 @@ void select_support(const at::Tensor& z, const Geometry& g, Workspace& w, const 
   const double* p = top_p.data_ptr<double>();
   auto* gc = ptr_or_null<unsigned int>(w.g_count);
   auto* gm = ptr_or_null<unsigned long long>(w.g_mass);
-  auto* gp = ptr_or_null<double>(w.g_part);
   auto* ck = ptr_or_null<unsigned int>(w.cand_key);
   auto* cm = ptr_or_null<unsigned long long>(w.cand_mass);
 
   stats_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(zp, g, t, top_k.data_ptr<int64_t>(), p,
                                                         min_p.data_ptr<double>(), log_min_p, states,
-                                                        w.status.data_ptr<int>());
+                                                        w.status.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const bool want_logz = logz != nullptr;
   if (any_topk || want_logz) {
     for (int pass = 0; pass < 4 && (pass == 0 || any_topk); ++pass) {
       select_kernel<scalar_t, false><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, want_logz,
-                                                                   logz, gc, gm, gp, ck, cm, w.status.data_ptr<int>());
+                                                                   logz, gc, gm, ck, cm, w.status.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
   if (any_topp) {
     for (int pass = 0; pass < 4; ++pass) {
       select_kernel<scalar_t, true><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, false,
-                                                                  nullptr, gc, gm, gp, ck, cm, w.status.data_ptr<int>());
+                                                                  nullptr, gc, gm, ck, cm, w.status.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -602,12 +617,16 @@ void check_common(const at::Tensor& logits, const at::Tensor& temperature, const
               " or more tokens are not supported (exact mass sums would overflow), got ", logits.size(1));
 }
 
-[[noreturn]] void throw_row_error(int64_t row, int status) {
+// `report` is the kernel's status | column << 8 (column only for defects in the logits).
+[[noreturn]] void throw_row_error(int64_t row, int64_t report) {
+  const int status = static_cast<int>(report & 0xff);
+  const int64_t col = report >> 8;
   switch (status) {
-    case kNaN: TORCH_CHECK(false, "capture: row ", row, " contains NaN");
-    case kPosInf: TORCH_CHECK(false, "capture: row ", row, " contains +inf");
+    case kNaN: TORCH_CHECK(false, "capture: row ", row, " contains NaN (column ", col, ")");
+    case kPosInf: TORCH_CHECK(false, "capture: row ", row, " contains +inf (column ", col, ")");
     case kOverflow:
-      TORCH_CHECK(false, "capture: row ", row, " overflows to +inf after dividing by the temperature");
+      TORCH_CHECK(false, "capture: row ", row, " overflows to +inf after dividing by the temperature (column ",
+                  col, ")");
     case kNoFinite: TORCH_CHECK(false, "capture: row ", row, " has no finite logit");
     case kBadParam: TORCH_CHECK(false, "capture: row ", row, " has invalid sampling parameters");
     default: TORCH_CHECK(false, "capture: internal error in the CUDA selection at row ", row, " (status ", status, ")");
@@ -664,10 +683,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
   // Block b of row r writes at the running total of all earlier (row, block) counts.
   const at::Tensor incl = at::cumsum(w.block_counts, 0);
   const at::Tensor starts = incl - w.block_counts;
-  const at::Tensor host = at::cat({w.status.to(at::kLong), incl.narrow(0, incl.size(0) - 1, 1)}).cpu();
+  const at::Tensor host = at::cat({w.status, incl.narrow(0, incl.size(0) - 1, 1)}).cpu();
   const int64_t* h = host.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r)
-    if (h[r] != kOk) throw_row_error(r, static_cast<int>(h[r]));
+    if (h[r] != kOk) throw_row_error(r, h[r]);
   const int64_t nnz = h[n];
 
   at::Tensor token_ids = at::empty({nnz}, dev.dtype(at::kInt));

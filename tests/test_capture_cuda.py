@@ -83,7 +83,7 @@ SHAPES = [(1, 1), (1, 1000), (7, 1000), (7, 32000), (1, 151936), (64, 151936), (
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "none")
 def test_matches_cpu(shape, dtype, cfg):
-    g = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    g = torch.Generator().manual_seed(shape[0] * 1_000_003 + shape[1] * 7 + DTYPES.index(dtype))
     logits = (torch.randn(shape, generator=g) * 4).to(dtype)
     ids, offsets = check_against_cpu(logits, **cfg)
     check_csr(ids, offsets, shape[1])
@@ -204,9 +204,9 @@ def test_property_matches_cpu_and_reference(case):
 @pytest.mark.parametrize(
     "row_value,kw,message",
     [
-        (float("nan"), {}, "row 2 contains NaN"),
-        (float("inf"), {}, r"row 2 contains \+inf"),
-        (1e30, dict(temperature=1e-10), "row 2 overflows to"),
+        (float("nan"), {}, r"row 2 contains NaN \(column 1234\)"),
+        (float("inf"), {}, r"row 2 contains \+inf \(column 1234\)"),
+        (1e30, dict(temperature=1e-10), r"row 2 overflows to \+inf .*\(column 1234\)"),
         (None, {}, "row 2 has no finite logit"),
     ],
 )
@@ -218,6 +218,19 @@ def test_errors_name_the_row(row_value, kw, message):
         logits[2, 1234] = row_value
     with pytest.raises(RuntimeError, match=message):
         run(logits, "cuda", **kw)
+    with pytest.raises(RuntimeError, match=message):  # same words as the CPU kernel
+        run(logits, "cpu", **kw)
+
+
+def test_first_defect_in_scan_order_is_reported():
+    # the row is split over many blocks; the earliest column wins, whatever its kind
+    logits = torch.randn(1, 151936)
+    logits[0, 150000] = float("nan")
+    logits[0, 90000] = float("inf")
+    logits[0, 120000] = float("nan")
+    for device in ("cuda", "cpu"):
+        with pytest.raises(RuntimeError, match=r"row 0 contains \+inf \(column 90000\)"):
+            run(logits, device)
 
 
 def test_bad_parameter_rows_named():
@@ -252,6 +265,21 @@ def test_fixed_matches_csr(shape, width):
     assert torch.equal(counts.cpu(), offsets.diff().cpu())
     assert torch.equal(overflow.cpu(), offsets.diff().cpu() > width)
     assert torch.equal(fids.cpu(), fixed_from_csr(ids.cpu(), offsets.cpu(), width))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fixed_matches_cpu_fixed(dtype):
+    logits = (torch.randn(9, 32000) * 3).to(dtype)
+    logits[2, 7] = float("nan")
+    logits[5] = float("-inf")
+    t = torch.tensor([1.0, 0.0, 1.0, 0.7, 1.0, 1.0, -1.0, 1.0, 1.0])  # row 6: bad temperature
+    k = torch.tensor([0, 0, 5, 40, 0, 0, 0, 1, 100])
+    p = torch.tensor([0.9, 1.0, 1.0, 0.95, 1.0, 1.0, 1.0, 1.0, 0.5], dtype=torch.float64)
+    mp = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    cpu = ops.capture_fixed(logits, t, k, p, mp, 48)
+    gpu = ops.capture_fixed(logits.cuda(), t.cuda(), k.cuda(), p.cuda(), mp.cuda(), 48)
+    for a, b in zip(cpu, gpu):
+        assert torch.equal(a, b.cpu())
 
 
 def test_fixed_invalid_rows_flagged():
@@ -316,8 +344,9 @@ def test_run_to_run_identical(n):
 def test_opcheck():
     logits = torch.randn(3, 5000, device="cuda")
     args = params(3, "cuda", top_k=20, top_p=0.9)
-    torch.library.opcheck(ops.capture, (logits, *args, True))
-    torch.library.opcheck(ops.capture_fixed, (logits, *args, 32))
+    torch.library.opcheck(ops.capture.default, (logits, *args, True))
+    torch.library.opcheck(ops.capture.default, (logits, *args, False))
+    torch.library.opcheck(ops.capture_fixed.default, (logits, *args, 32))
 
 
 def test_python_api_on_cuda():
