@@ -10,6 +10,10 @@
 // one launch over all N * B blocks; the blocks of a row merge their histograms in global memory
 // and the last block to finish (counter in the row state) takes the decision for the row. Rows
 // that need no more work in a pass return at once, so per-row parameters may differ freely.
+//
+// Launches: stats (defects, max, greedy argmax, K0); top-k passes 0-3 (pass 0 also sums logz's
+// normaliser); top-p passes 0-3; per-block counts; fill. Radix passes read the whole row until the
+// chosen bucket fits the candidate buffer; from the pass after next they read only the buffer.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,6 +21,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -108,7 +114,7 @@ __device__ __forceinline__ Slice my_slice(const Geometry& g) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pass 1: validity flags, row max (or greedy argmax), then thresholds K0 and the selection state.
+// Pass 1: first defect, row max (or greedy argmax), then threshold K0 and the selection state.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
@@ -233,6 +239,24 @@ __device__ bool advance_candidates(RowState* st, int cstate, int pass, unsigned 
   return true;
 }
 
+// Lanes of a warp that hit the same bin add once: logits crowd into a few top-digit bins, where
+// plain shared-memory atomics would serialise up to 32 ways. Integer sums: any grouping is exact.
+template <bool WITH_MASS>
+__device__ __forceinline__ void add_to_bin(unsigned int* count, unsigned long long* mass, int d,
+                                           unsigned long long q) {
+  namespace cg = cooperative_groups;
+  const cg::coalesced_group peers = cg::labeled_partition(cg::coalesced_threads(), d);
+  if (WITH_MASS) {
+    const unsigned long long sum = cg::reduce(peers, q, cg::plus<unsigned long long>());
+    if (peers.thread_rank() == 0) {
+      atomicAdd(&count[d], static_cast<unsigned int>(peers.size()));
+      if (sum) atomicAdd(&mass[d], sum);
+    }
+  } else if (peers.thread_rank() == 0) {
+    atomicAdd(&count[d], static_cast<unsigned int>(peers.size()));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // One radix pass of the top-k (TOPP = false) or top-p (TOPP = true) selection. Pass 0 of top-k
 // also sums the normaliser for logz and learns |S0|, which decides whether top-k is active.
@@ -281,9 +305,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     for (int64_t j = threadIdx.x; j < nc; j += blockDim.x) {
       const unsigned int key = ck[j];
       if ((key & pmask) != prefix) continue;
-      const int d = radix_digit(key, pass);
-      atomicAdd(&s_count[d], 1u);
-      if (TOPP && cm[j]) atomicAdd(&s_mass[d], cm[j]);
+      add_to_bin<TOPP>(s_count, s_mass, radix_digit(key, pass), TOPP ? cm[j] : 0ull);
     }
   } else {
     const bool collect = cstate == kCandCollect;
@@ -294,13 +316,9 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
       if (!on) continue;
       const unsigned int key = order_key(x);
       if (key < lo || (key & pmask) != prefix) continue;
-      const int d = radix_digit(key, pass);
-      atomicAdd(&s_count[d], 1u);
-      unsigned long long q = 0;
-      if (TOPP) {
-        q = static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m))));
-        if (q) atomicAdd(&s_mass[d], q);
-      }
+      const unsigned long long q =
+          TOPP ? static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m)))) : 0ull;
+      add_to_bin<TOPP>(s_count, s_mass, radix_digit(key, pass), q);
       if (collect) {
         const unsigned int pos = atomicAdd(&st->cand_count, 1u);
         if (pos < g.cand_cap) {  // always, as the previous pass counted this bucket
