@@ -32,6 +32,7 @@
 #include <tuple>
 
 #include "capture_checks.h"
+#include "capture_scan.h"
 #include "capture_select.h"
 #include "kernel_math.h"
 
@@ -61,6 +62,9 @@ enum Status : int {
 // packed as ~(column << 8 | status), so an unsigned max over a zeroed slot finds the first one.
 __host__ __device__ __forceinline__ unsigned long long pack_defect(int64_t col, int status) {
   return ~((static_cast<unsigned long long>(col) << 8) | static_cast<unsigned long long>(status));
+}
+__host__ __device__ __forceinline__ unsigned long long max_u64(unsigned long long a, unsigned long long b) {
+  return a > b ? a : b;
 }
 
 // Per-row state carried between launches. Zeroed before the first launch.
@@ -129,29 +133,27 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
 
   unsigned int finite = 0, mk = 0;
   unsigned long long am = 0, bad = 0;
-  for (int64_t i = sl.begin + threadIdx.x; i < sl.end; i += blockDim.x) {
-    const float v = static_cast<float>(z[i]);
+  for_each_in_slice(z, sl.begin, sl.end, threadIdx.x, blockDim.x, [&](int64_t i, float v) {
     if (isnan(v)) {
-      if (!bad) bad = pack_defect(i, kNaN);  // i only grows: a thread's first defect is its earliest
+      bad = max_u64(bad, pack_defect(i, kNaN));
     } else if (v == -kNegInf) {
-      if (!bad) bad = pack_defect(i, kPosInf);
+      bad = max_u64(bad, pack_defect(i, kPosInf));
     } else if (greedy) {
       if (v != kNegInf) {
         finite = 1;
-        const unsigned long long p = pack_argmax(order_key(v), i);
-        am = p > am ? p : am;
+        am = max_u64(am, pack_argmax(order_key(v), i));
       }
     } else {
       const float x = mr_div(v, t);
       if (x == -kNegInf) {
-        if (!bad) bad = pack_defect(i, kOverflow);
+        bad = max_u64(bad, pack_defect(i, kOverflow));
       } else if (isfinite(x)) {
         finite = 1;
         const unsigned int k = order_key(x);
         mk = k > mk ? k : mk;
       }
     }
-  }
+  });
   __shared__ unsigned int s_finite, s_max;
   __shared__ unsigned long long s_arg, s_bad;
   if (threadIdx.x == 0) {
@@ -309,13 +311,13 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     }
   } else {
     const bool collect = cstate == kCandCollect;
-    for (int64_t i = sl.begin + threadIdx.x; i < sl.end; i += blockDim.x) {
-      const float x = load_x(z, i, t);
-      if (!isfinite(x)) continue;
+    for_each_in_slice(z, sl.begin, sl.end, threadIdx.x, blockDim.x, [&](int64_t, float v) {
+      const float x = mr_div(v, t);
+      if (!isfinite(x)) return;
       if (logz_here) local += static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m))));
-      if (!on) continue;
+      if (!on) return;
       const unsigned int key = order_key(x);
-      if (key < lo || (key & pmask) != prefix) continue;
+      if (key < lo || (key & pmask) != prefix) return;
       const unsigned long long q =
           TOPP ? static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m)))) : 0ull;
       add_to_bin<TOPP>(s_count, s_mass, radix_digit(key, pass), q);
@@ -326,7 +328,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
           if (TOPP) cm[pos] = q;
         }
       }
-    }
+    });
   }
   unsigned long long block_sum = 0;
   if (logz_here) block_sum = Reduce(reduce_tmp).Sum(local);
@@ -448,10 +450,10 @@ count_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
   const float t = temp[sl.row];
   const unsigned int kf = final_threshold(st);
   int64_t c = 0;
-  for (int64_t i = sl.begin + threadIdx.x; i < sl.end; i += blockDim.x) {
-    const float x = load_x(z, i, t);
+  for_each_in_slice(z, sl.begin, sl.end, threadIdx.x, blockDim.x, [&](int64_t, float v) {
+    const float x = mr_div(v, t);
     c += (isfinite(x) && order_key(x) >= kf) ? 1 : 0;
-  }
+  });
   const int64_t total = Reduce(tmp).Sum(c);
   if (threadIdx.x == 0) *out = total;
 }

@@ -3,6 +3,7 @@
 // "block", against a brute-force transcription of the semantics. It lets machines without a GPU
 // check the selection logic; the kernel's memory protocol itself needs the GPU tests.
 // Usage: cuda_select_emulation [candidate capacity]; exit status 0 iff no mismatch.
+#include "capture_scan.h"
 #include "capture_select.h"
 #include <cstdio>
 #include <cstdlib>
@@ -105,7 +106,38 @@ std::vector<int> emu(const std::vector<float>& z, P pr) {
   return out;
 }
 
+// for_each_in_slice must visit every index of the slice exactly once, with its own value,
+// whatever the alignment of the row, the slice bounds and the thread count.
+template <typename T>
+int check_slices() {
+  alignas(64) static T buf[700];
+  for (int j = 0; j < 700; ++j) buf[j] = static_cast<T>(j % 251);
+  int bad = 0;
+  for (int shift = 0; shift < 9; ++shift) {
+    const T* row = buf + shift;
+    for (int64_t begin : {0, 1, 3, 8, 37}) {
+      for (int64_t end : {begin, begin + 1, begin + 7, begin + 64, int64_t{600}}) {
+        for (int64_t nt : {1, 3, 32, 512}) {
+          std::vector<int> seen(700, 0);
+          for (int64_t tid = 0; tid < nt; ++tid)
+            for_each_in_slice(row, begin, end, tid, nt, [&](int64_t i, float v) {
+              seen[i] += 1;
+              if (v != static_cast<float>(row[i])) seen[i] += 100;
+            });
+          for (int64_t i = 0; i < 700; ++i)
+            if (seen[i] != ((i >= begin && i < end) ? 1 : 0)) ++bad;
+        }
+      }
+    }
+  }
+  return bad;
+}
+
 int main(int argc, char** argv) {
+  if (check_slices<float>() + check_slices<uint16_t>()) {
+    printf("slice traversal broken\n");
+    return 1;
+  }
   if (argc > 1) CAP = atoi(argv[1]);
   std::mt19937 rng(1);
   int bad = 0, n = 0;
