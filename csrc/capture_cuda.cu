@@ -663,9 +663,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
   const int64_t n = logits.size(0), v = logits.size(1);
 
   // The parameters are tiny; checking them on the host gives the CPU kernel's messages, and the
-  // min-p logs are taken with the host's log so that K0 is the CPU kernel's exactly.
-  const at::Tensor t_h = temperature.cpu().contiguous(), k_h = top_k.cpu().contiguous();
-  const at::Tensor p_h = top_p.cpu().contiguous(), mp_h = min_p.cpu().contiguous();
+  // min-p logs are taken with the host's log so that K0 is the CPU kernel's exactly. One copy (one
+  // sync) brings all four: 8-byte types first keeps every slice aligned for its dtype.
+  const at::Tensor tt = temperature.contiguous(), kk = top_k.contiguous(), pp = top_p.contiguous(),
+                   mm = min_p.contiguous();
+  const at::Tensor packed =
+      at::cat({kk.view(at::kByte), pp.view(at::kByte), mm.view(at::kByte), tt.view(at::kByte)}).cpu();
+  const at::Tensor k_h = packed.narrow(0, 0, 8 * n).view(at::kLong);
+  const at::Tensor p_h = packed.narrow(0, 8 * n, 8 * n).view(at::kDouble);
+  const at::Tensor mp_h = packed.narrow(0, 16 * n, 8 * n).view(at::kDouble);
+  const at::Tensor t_h = packed.narrow(0, 24 * n, 4 * n).view(at::kFloat);
   check_row_params(t_h, p_h, mp_h);
 
   at::Tensor logz = at::zeros({compute_logz ? n : 0}, dev.dtype(at::kFloat));
@@ -673,7 +680,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
   TORCH_CHECK(v > 0, "capture: row 0 has no finite logit");
 
   bool any_topk = false, any_topp = false;
-  at::Tensor log_mp_h = at::empty({n}, at::kFloat);
+  at::Tensor log_mp_h = at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
   {
     const int64_t* k = k_h.data_ptr<int64_t>();
     const double* p = p_h.data_ptr<double>();
@@ -687,9 +694,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
       lm[r] = min_p_active(mp[r]) ? static_cast<float>(std::log(mp[r])) : 0.0f;
     }
   }
-  const at::Tensor log_mp = log_mp_h.to(logits.device());
-  const at::Tensor tt = temperature.contiguous(), kk = top_k.contiguous(), pp = top_p.contiguous(),
-                   mm = min_p.contiguous();
+  const at::Tensor log_mp = log_mp_h.to(logits.device(), /*non_blocking=*/true);
 
   const at::Tensor z = rows_view(logits);
   const Geometry g = make_geometry(z);
