@@ -419,8 +419,8 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
 }
 
 // ---------------------------------------------------------------------------------------------
-// Compaction. Both kernels walk the same slice in the same order, so the counts of the first
-// sized the output of the second exactly.
+// Compaction. Both kernels apply the same test to the same slice, so the counts of the first size
+// the output of the second exactly; only the fill needs ascending order (block-wide scans).
 __device__ __forceinline__ unsigned int final_threshold(const RowState* st) {
   unsigned int k = st->k0 > st->k1 ? st->k0 : st->k1;
   return k > st->k2 ? k : st->k2;
