@@ -13,7 +13,12 @@ import os
 import platform
 
 from setuptools import find_packages, setup
-from torch.utils import cpp_extension
+
+# torch.utils.cpp_extension reads CUDA_HOME once, at import: point it at the toolkit first.
+if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+from torch.utils import cpp_extension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

@@ -14,6 +14,9 @@ inline void check_capture_args(const at::Tensor& logits, const at::Tensor& tempe
   const auto st = logits.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
               "capture: logits must be float32, bfloat16 or float16, got ", st);
+  // Masses are 2^40 fixed point; V * 2^40 (an all-tied row) must stay below 2^63.
+  TORCH_CHECK(logits.size(1) < (int64_t(1) << 23), "capture: vocabularies of 2^23 tokens or more are not supported, got ",
+              logits.size(1));
   const int64_t n = logits.size(0);
   auto check = [&](const at::Tensor& t, const char* name, at::ScalarType want) {
     TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "capture: ", name, " must have shape [", n,

@@ -313,8 +313,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cpu(const at::Tensor& log
   check_row_params(t, p, mp);
   const at::Tensor logits = row_major(logits_in);
   const int64_t n = logits.size(0);
-  TORCH_CHECK(logits.size(1) < (int64_t(1) << 31), "capture: vocab size ", logits.size(1),
-              " does not fit int32 token ids");
   at::Tensor logz = at::empty({compute_logz ? n : 0}, logits.options().dtype(at::kFloat));
   const Params prm{t.const_data_ptr<float>(), kk.const_data_ptr<int64_t>(), p.const_data_ptr<double>(),
                    mp.const_data_ptr<double>()};
