@@ -137,7 +137,7 @@ def capture_dumps(
             step = chunk_rows or default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
             for a in range(0, n, step):
                 b = min(n, a + step)
-                parts.append(_capture_chunk(d, a, b, vocab, flags, explicit, device, outside, has_lp, carried))
+                parts.append(_capture_chunk(d, a, b, flags, explicit, device, outside, has_lp, carried))
                 bytes_read += d.nbytes("logits") * (b - a) // max(n, 1)
                 bar.update(b - a)
         bar.close()
@@ -162,7 +162,7 @@ def capture_dumps(
                           outside_rows, notes)
 
 
-def _capture_chunk(d: Dump, a, b, vocab, flags, explicit, device, outside, has_lp, carried):
+def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carried):
     import mask_replay
 
     logits = d.get("logits", a, b)

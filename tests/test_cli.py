@@ -472,3 +472,24 @@ def test_demo_shows_the_replay_effect(tmp_path):
     assert rep["kl_k3"] < full["kl_k3"]
     for name in ("rollout.safetensors", "training.safetensors", "masks.safetensors", "score.png"):
         assert (out / name).exists()
+
+
+@pytest.mark.parametrize("fmt", ["pt", "npz"])
+def test_truncated_pt_and_npz(tmp_path, fmt):
+    t = rollout_tensors()
+    path = tmp_path / f"r.{fmt}"
+    if fmt == "pt":
+        torch.save(t, path)
+    else:
+        np.savez(path, **{k: v.numpy() for k, v in t.items()})
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    result = run("capture", path, "-o", tmp_path / "m.safetensors")
+    assert_one_line_error(result, f"r.{fmt}", "not a readable")
+    assert_clean(tmp_path, "m.safetensors")
+
+
+def test_pt_dump_must_be_a_dict_of_tensors(tmp_path):
+    path = tmp_path / "r.pt"
+    torch.save([torch.zeros(2)], path)
+    assert_one_line_error(run("capture", path, "-o", tmp_path / "m.safetensors"), "r.pt", "dict of tensors")
