@@ -53,7 +53,7 @@ def _cpu_arch_flags():
             info = f.read()
     except OSError:
         return []
-    return ["-mavx2", "-mfma"] if (" avx2" in info and " fma" in info) else []
+    return ["-mavx2", "-mfma", "-mf16c"] if all(f" {x}" in info for x in ("avx2", "fma", "f16c")) else []
 
 
 def extensions():

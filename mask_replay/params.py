@@ -49,6 +49,6 @@ def describe(temperature: Param, top_k: Param, top_p: Param, min_p: Param) -> di
     """JSON-able summary of the parameters, for file metadata."""
     def d(v):
         if isinstance(v, torch.Tensor):
-            return "per-row" if v.numel() > 1 else v.item()
+            return v.item() if v.numel() == 1 else "per-row"
         return v
     return {"temperature": d(temperature), "top_k": d(top_k), "top_p": d(top_p), "min_p": d(min_p)}

@@ -1,0 +1,378 @@
+// CPU kernel of the capture ops: sort-free selection of the min-p / top-k / top-p support.
+//
+// Per row: one pass converts and divides by T, finds the max and checks for NaN/+inf. A filtering
+// scan then keeps the indices with x >= tau in a small buffer; whenever the buffer fills, radix
+// selection on the buffer raises tau (count-based for top-k, mass-based for top-p), which is
+// safe because the k-th largest (or the top-p threshold) of a subset never exceeds that of the
+// whole row. The final radix selection runs over the buffer alone. Top-p without top-k needs the
+// survivors' total mass first: one vectorised pass of exact fixed-point sums.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "capture_checks.h"
+#include "capture_cpu_loops.h"
+#include "capture_cpu_select.h"
+#include "kernel_math.h"
+
+namespace mask_replay {
+namespace cpu {
+namespace {
+
+struct Scratch {
+  std::vector<float> x;
+  std::vector<int32_t> cand, bin_idx;
+  std::vector<uint32_t> keys, ka, kb, bin_keys;
+  std::vector<int64_t> mass, ma, mb, hist_count, hist_mass;
+};
+
+struct RowOutcome {
+  int error = 0;  // 1 NaN, 2 +inf, 3 overflow after temperature, 4 no finite entry
+  int64_t col = -1;
+  float logz = 0.0f;
+};
+
+void gather_keys(const float* x, const std::vector<int32_t>& idx, std::vector<uint32_t>& keys) {
+  keys.resize(idx.size());
+  for (size_t j = 0; j < idx.size(); ++j) keys[j] = order_key(x[idx[j]]);
+}
+
+void gather_masses(const float* x, float m, const std::vector<int32_t>& idx, std::vector<int64_t>& mass,
+                   int64_t* total) {
+  mass.resize(idx.size());
+  int64_t z = 0;
+  for (size_t j = 0; j < idx.size(); ++j) z += (mass[j] = mass_q(det_exp(mr_add(x[idx[j]], -m))));
+  if (total) *total = z;
+}
+
+// Keeps the entries of s.cand whose key is >= threshold (stable, so ids stay ascending).
+void keep_at_least(Scratch& s, uint32_t threshold) {
+  size_t w = 0;
+  for (size_t j = 0; j < s.cand.size(); ++j)
+    if (s.keys[j] >= threshold) s.cand[w++] = s.cand[j];
+  s.cand.resize(w);
+}
+
+// Filtering scan over the row: collects every index with x >= tau, raising tau whenever the
+// buffer outgrows its capacity. `raise` maps the current buffer to a new threshold key. Returns
+// false (buffer abandoned) once the capacity would pass `limit`: the support is wide, and one
+// histogram pass over the row is then cheaper than compacting ever larger buffers.
+template <typename Raise>
+bool filter_row(const float* x, int64_t v, float tau, size_t cap, size_t limit, Scratch& s, Raise raise) {
+  s.cand.clear();
+  int64_t i = 0;
+  while (i < v) {
+    i = scan_at_least(x, i, v, tau, s.cand, cap);
+    if (s.cand.size() > cap) {
+      gather_keys(x, s.cand, s.keys);
+      const uint32_t t = raise(s);
+      keep_at_least(s, t);
+      tau = std::max(tau, key_value(t));
+      if (s.cand.size() * 2 > cap) {  // heavy ties or a wide support: compaction stopped paying
+        cap *= 2;
+        if (cap > limit) return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Support by one coarse histogram pass: the k-th largest (k > 0) or the top-p threshold
+// (k == 0) over survivors x >= thr. The bin holding the threshold is resolved on its own
+// elements; the elements of higher bins are kept without further work.
+void select_by_histogram(const float* x, int64_t v, float m, float thr, int64_t k, double p, int64_t total,
+                         Scratch& s) {
+  s.hist_count.assign(kHistBins, 0);
+  s.hist_mass.assign(kHistBins, 0);
+  histogram_row(x, v, m, thr, s.hist_count.data(), k > 0 ? nullptr : s.hist_mass.data());
+  int64_t survivors = 0;
+  for (int64_t c : s.hist_count) survivors += c;
+  constexpr size_t kNoLimit = ~size_t(0) >> 1;
+  if (k > 0 && k >= survivors) {
+    filter_row(x, v, thr, kNoLimit, kNoLimit, s, [](Scratch&) { return 0u; });
+    return;
+  }
+  int chosen = kHistBins - 1;
+  int64_t rest = k, above = 0, cum = 0;
+  for (int b = kHistBins - 1; b >= 0; --b) {
+    if (s.hist_count[b] == 0) continue;
+    if (k > 0) {
+      chosen = b;
+      if (s.hist_count[b] >= rest) break;
+      rest -= s.hist_count[b];
+    } else {
+      if (!below_top_p(cum, p, total)) break;
+      chosen = b;
+      above = cum;
+      cum += s.hist_mass[b];
+    }
+  }
+  const uint64_t lo = uint64_t(chosen) << (32 - kHistBits), hi = lo + (uint64_t(1) << (32 - kHistBits));
+  filter_row(x, v, std::max(thr, key_value(static_cast<uint32_t>(lo))), kNoLimit, kNoLimit, s,
+             [](Scratch&) { return 0u; });
+  gather_keys(x, s.cand, s.keys);
+  s.bin_idx.clear();
+  s.bin_keys.clear();
+  for (size_t j = 0; j < s.cand.size(); ++j) {
+    if (s.keys[j] < hi) {
+      s.bin_idx.push_back(s.cand[j]);
+      s.bin_keys.push_back(s.keys[j]);
+    }
+  }
+  uint32_t t;
+  if (k > 0) {
+    t = kth_largest_key(s.bin_keys.data(), s.bin_keys.size(), rest, s.ka, s.kb);
+  } else {
+    gather_masses(x, m, s.bin_idx, s.mass, nullptr);
+    t = top_p_threshold_key(s.bin_keys.data(), s.mass.data(), s.bin_keys.size(), p, total, s.ka, s.ma, s.kb, s.mb,
+                            above);
+  }
+  keep_at_least(s, t);
+}
+
+template <typename T>
+RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_logz, Scratch& s,
+                      std::vector<int32_t>& out) {
+  RowOutcome res;
+  if (prm.temperature == 0.0f) {  // greedy: the first maximum of the raw logits
+    int64_t best = -1;
+    float bm = kNegInf;
+    for (int64_t i = 0; i < v; ++i) {
+      const float zi = static_cast<float>(z[i]);
+      if (zi != zi) return RowOutcome{1, i};
+      if (zi == -kNegInf) return RowOutcome{2, i};
+      if (zi > bm) { bm = zi; best = i; }
+    }
+    if (best < 0) return RowOutcome{4, -1};
+    out.push_back(static_cast<int32_t>(best));
+    return res;
+  }
+
+  // z / 1 == z exactly: fp32 rows at T == 1 are read in place, sparing the copy.
+  const bool in_place = std::is_same_v<T, float> && prm.temperature == 1.0f;
+  if (!in_place) s.x.resize(v);
+  const LoadResult lr = load_row(z, v, prm.temperature, in_place ? nullptr : s.x.data());
+  if (lr.bad_code) return RowOutcome{lr.bad_code, lr.bad_col};
+  if (lr.max == kNegInf) return RowOutcome{4, -1};
+  const float* x = in_place ? reinterpret_cast<const float*>(z) : s.x.data();
+  const float m = lr.max;
+  const float thr = min_p_active(prm.min_p) ? mr_add(m, static_cast<float>(std::log(prm.min_p))) : kLowestFinite;
+  const bool use_top_p = top_p_active(prm.top_p);
+  const int64_t k = prm.top_k;
+
+  MassSums sums;
+  const bool need_sums = want_logz || (use_top_p && k <= 0);
+  if (need_sums) sums = mass_sums(x, v, m, thr);
+  if (want_logz) res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(sums.all) / kMassScaleD));
+
+  constexpr size_t kNoLimit = ~size_t(0) >> 1;
+  if (k > 0) {
+    const size_t cap = static_cast<size_t>(std::max<int64_t>(1024, 2 * k));
+    const bool narrow = filter_row(x, v, thr, cap, std::max<size_t>(8192, 8 * cap), s, [&](Scratch& sc) {
+      return kth_largest_key(sc.keys.data(), sc.keys.size(), std::min<int64_t>(k, sc.keys.size()), sc.ka, sc.kb);
+    });
+    if (narrow) {
+      gather_keys(x, s.cand, s.keys);
+      if (k < static_cast<int64_t>(s.cand.size()))
+        keep_at_least(s, kth_largest_key(s.keys.data(), s.keys.size(), k, s.ka, s.kb));
+    } else {
+      select_by_histogram(x, v, m, thr, k, 1.0, 0, s);
+    }
+    if (use_top_p) {
+      int64_t total = 0;
+      gather_keys(x, s.cand, s.keys);
+      gather_masses(x, m, s.cand, s.mass, &total);
+      keep_at_least(s, top_p_threshold_key(s.keys.data(), s.mass.data(), s.keys.size(), prm.top_p, total, s.ka,
+                                           s.ma, s.kb, s.mb));
+    }
+  } else if (use_top_p) {
+    const int64_t total = sums.survivors;
+    auto raise = [&](Scratch& sc) {
+      gather_masses(x, m, sc.cand, sc.mass, nullptr);
+      return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma,
+                                 sc.kb, sc.mb);
+    };
+    // Every mass is at most the max's (1.0 in these units), so the support holds at least
+    // p * total / 2^40 tokens: past the filter's limit, go straight to the histogram.
+    const bool wide = prm.top_p * (static_cast<double>(total) / kMassScaleD) > 4096.0;
+    if (!wide && filter_row(x, v, thr, 1024, 8192, s, raise)) {
+      gather_keys(x, s.cand, s.keys);
+      keep_at_least(s, raise(s));
+    } else {
+      select_by_histogram(x, v, m, thr, 0, prm.top_p, total, s);
+    }
+  } else {
+    filter_row(x, v, thr, kNoLimit, kNoLimit, s, [](Scratch&) { return 0u; });
+  }
+  out.insert(out.end(), s.cand.begin(), s.cand.end());
+  return res;
+}
+
+struct Params {
+  const float* temperature;
+  const int64_t* top_k;
+  const double* top_p;
+  const double* min_p;
+  RowParams row(int64_t r) const { return RowParams{temperature[r], top_k[r], top_p[r], min_p[r]}; }
+};
+
+[[noreturn]] void throw_row_error(int64_t r, const RowOutcome& o) {
+  switch (o.error) {
+    case 1: TORCH_CHECK(false, "capture: row ", r, " contains NaN (column ", o.col, ")");
+    case 2: TORCH_CHECK(false, "capture: row ", r, " contains +inf (column ", o.col, ")");
+    case 3: TORCH_CHECK(false, "capture: row ", r, " overflows to +inf after dividing by the temperature (column ",
+                        o.col, ")");
+    default: TORCH_CHECK(false, "capture: row ", r, " has no finite logit");
+  }
+}
+
+// Runs select_row over all rows in parallel; each chunk of rows appends to its own id buffer.
+// Returns per-row counts; ids of chunk c are in chunk_ids[c]; the first bad row is thrown.
+template <typename T>
+std::vector<int64_t> run_rows(const at::Tensor& logits, const Params& prm, bool want_logz, float* logz,
+                              std::vector<std::vector<int32_t>>& chunk_ids, std::vector<int64_t>& chunk_start,
+                              std::vector<RowOutcome>* outcomes) {
+  const int64_t n = logits.size(0), v = logits.size(1), stride = logits.stride(0);
+  const T* base = logits.const_data_ptr<T>();
+  const int64_t nchunks = std::min<int64_t>(n, std::max<int64_t>(1, at::get_num_threads()) * 8);
+  chunk_ids.assign(nchunks, {});
+  chunk_start.resize(nchunks + 1);
+  for (int64_t c = 0; c <= nchunks; ++c) chunk_start[c] = n * c / std::max<int64_t>(nchunks, 1);
+  std::vector<int64_t> counts(n, 0);
+  std::vector<RowOutcome> errs(n);
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    Scratch s;
+    for (int64_t c = c0; c < c1; ++c) {
+      for (int64_t r = chunk_start[c]; r < chunk_start[c + 1]; ++r) {
+        const size_t before = chunk_ids[c].size();
+        RowOutcome o = select_row(base + r * stride, v, prm.row(r), want_logz, s, chunk_ids[c]);
+        counts[r] = static_cast<int64_t>(chunk_ids[c].size() - before);
+        if (logz) logz[r] = o.logz;
+        errs[r] = o;
+      }
+    }
+  });
+  for (int64_t r = 0; r < n; ++r) {
+    if (errs[r].error == 0) continue;
+    if (outcomes) break;
+    throw_row_error(r, errs[r]);
+  }
+  if (outcomes) outcomes->swap(errs);
+  return counts;
+}
+
+template <typename F>
+void dispatch_dtype(const at::Tensor& logits, F&& f) {
+  switch (logits.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, "capture: unsupported logits dtype ", logits.scalar_type());
+  }
+}
+
+at::Tensor row_major(const at::Tensor& logits) {
+  return logits.stride(1) == 1 ? logits : logits.contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cpu(const at::Tensor& logits_in, const at::Tensor& temperature,
+                                                           const at::Tensor& top_k, const at::Tensor& top_p,
+                                                           const at::Tensor& min_p, bool compute_logz) {
+  check_capture_args(logits_in, temperature, top_k, top_p, min_p);
+  const auto t = temperature.contiguous(), kk = top_k.contiguous(), p = top_p.contiguous(), mp = min_p.contiguous();
+  check_row_params(t, p, mp);
+  const at::Tensor logits = row_major(logits_in);
+  const int64_t n = logits.size(0);
+  TORCH_CHECK(logits.size(1) < (int64_t(1) << 31), "capture: vocab size ", logits.size(1),
+              " does not fit int32 token ids");
+  at::Tensor logz = at::empty({compute_logz ? n : 0}, logits.options().dtype(at::kFloat));
+  const Params prm{t.const_data_ptr<float>(), kk.const_data_ptr<int64_t>(), p.const_data_ptr<double>(),
+                   mp.const_data_ptr<double>()};
+  std::vector<std::vector<int32_t>> chunk_ids;
+  std::vector<int64_t> chunk_start, counts;
+  dispatch_dtype(logits, [&](auto tag) {
+    using T = decltype(tag);
+    counts = run_rows<T>(logits, prm, compute_logz, compute_logz ? logz.data_ptr<float>() : nullptr, chunk_ids,
+                         chunk_start, nullptr);
+  });
+  at::Tensor offsets = at::empty({n + 1}, logits.options().dtype(at::kLong));
+  int64_t* off = offsets.data_ptr<int64_t>();
+  off[0] = 0;
+  for (int64_t r = 0; r < n; ++r) off[r + 1] = off[r] + counts[r];
+  at::Tensor ids = at::empty({off[n]}, logits.options().dtype(at::kInt));
+  int32_t* out = ids.data_ptr<int32_t>();
+  at::parallel_for(0, static_cast<int64_t>(chunk_ids.size()), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      std::copy(chunk_ids[c].begin(), chunk_ids[c].end(), out + off[chunk_start[c]]);
+  });
+  return {ids, offsets, logz};
+}
+
+// Fixed-capacity variant: same supports, packed into [N, width]. Bad rows are reported through
+// counts = -1 (and overflow) instead of an exception, as on CUDA where raising would need a sync.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cpu(const at::Tensor& logits_in,
+                                                                 const at::Tensor& temperature,
+                                                                 const at::Tensor& top_k, const at::Tensor& top_p,
+                                                                 const at::Tensor& min_p, int64_t width) {
+  check_capture_args(logits_in, temperature, top_k, top_p, min_p);
+  TORCH_CHECK(width >= 1, "capture_fixed: width must be >= 1, got ", width);
+  const at::Tensor logits = row_major(logits_in);
+  const int64_t n = logits.size(0);
+  auto t = temperature.contiguous().clone(), kk = top_k.contiguous(), p = top_p.contiguous().clone(),
+       mp = min_p.contiguous().clone();
+  // Rows with invalid parameters become flagged rows: give them harmless values, mark them below.
+  std::vector<bool> bad_param(n, false);
+  {
+    float* tp = t.data_ptr<float>();
+    double* pp = p.data_ptr<double>();
+    double* mpp = mp.data_ptr<double>();
+    for (int64_t r = 0; r < n; ++r) {
+      if (!(tp[r] >= 0.0f && !std::isinf(tp[r])) || !(pp[r] > 0.0 && pp[r] <= 1.0) || !(mpp[r] >= 0.0 && mpp[r] <= 1.0)) {
+        bad_param[r] = true;
+        tp[r] = 1.0f, pp[r] = 1.0, mpp[r] = 0.0;
+      }
+    }
+  }
+  const Params prm{t.const_data_ptr<float>(), kk.const_data_ptr<int64_t>(), p.const_data_ptr<double>(),
+                   mp.const_data_ptr<double>()};
+  std::vector<std::vector<int32_t>> chunk_ids;
+  std::vector<int64_t> chunk_start, counts;
+  std::vector<RowOutcome> outcomes;
+  dispatch_dtype(logits, [&](auto tag) {
+    using T = decltype(tag);
+    counts = run_rows<T>(logits, prm, false, nullptr, chunk_ids, chunk_start, &outcomes);
+  });
+  at::Tensor ids = at::full({n, width}, -1, logits.options().dtype(at::kInt));
+  at::Tensor cnt = at::empty({n}, logits.options().dtype(at::kLong));
+  at::Tensor overflow = at::empty({n}, logits.options().dtype(at::kBool));
+  int32_t* idp = ids.data_ptr<int32_t>();
+  int64_t* cp = cnt.data_ptr<int64_t>();
+  bool* op = overflow.data_ptr<bool>();
+  for (size_t c = 0; c < chunk_ids.size(); ++c) {
+    int64_t pos = 0;
+    for (int64_t r = chunk_start[c]; r < chunk_start[c + 1]; ++r) {
+      const bool bad = bad_param[r] || (!outcomes.empty() && outcomes[r].error != 0);
+      cp[r] = bad ? -1 : counts[r];
+      op[r] = bad || counts[r] > width;
+      if (!bad) {
+        const int64_t keep = std::min<int64_t>(counts[r], width);
+        std::copy(chunk_ids[c].begin() + pos, chunk_ids[c].begin() + pos + keep, idp + r * width);
+      }
+      pos += counts[r];
+    }
+  }
+  return {ids, cnt, overflow};
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace mask_replay
+
+TORCH_LIBRARY_IMPL(mask_replay, CPU, m) {
+  m.impl("capture", &mask_replay::cpu::capture_cpu);
+  m.impl("capture_fixed", &mask_replay::cpu::capture_fixed_cpu);
+}

@@ -1,0 +1,230 @@
+// The three full-row loops of the CPU capture kernel, with AVX2 bodies where the build has them.
+// Each vector body computes exactly what its scalar tail computes (same operations, same order),
+// so results do not depend on alignment or on the ISA the extension was built for.
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernel_math.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MR_CPU_AVX2 1
+#endif
+
+namespace mask_replay {
+namespace cpu {
+
+struct LoadResult {
+  float max = kNegInf;
+  int64_t bad_col = -1;  // first column with a defect, -1 if none
+  int bad_code = 0;      // 1 NaN, 2 +inf in logits, 3 +inf after dividing by the temperature
+};
+
+template <typename T>
+inline float load_one(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+#if MR_CPU_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// det_exp (kernel_math.h) on 8 lanes: the same operations in the same order, so the same bits.
+inline __m256 det_exp8(__m256 d) {
+  const __m256 n = _mm256_add_ps(
+      _mm256_add_ps(_mm256_mul_ps(d, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(12582912.0f)),
+      _mm256_set1_ps(-12582912.0f));
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(d, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f)));
+  __m256 p = _mm256_set1_ps(1.98412698412698413e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.38888888888888889e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.33333333333333333e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.16666666666666667e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.66666666666666667e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_and_ps(e, _mm256_cmp_ps(d, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));
+}
+
+// order_key (kernel_math.h) on 8 lanes.
+inline __m256i order_key8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(_mm256_add_ps(x, _mm256_setzero_ps()));
+  const __m256i flip = _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(int(0x80000000u)));
+  return _mm256_xor_si256(u, flip);
+}
+#endif
+
+template <typename T>
+inline void find_defect(const T* z, int64_t v, float temp, LoadResult& r) {
+  for (int64_t i = 0; i < v; ++i) {
+    const float zi = load_one(z, i);
+    if (zi != zi) { r.bad_code = 1; r.bad_col = i; return; }
+    if (zi == -kNegInf) { r.bad_code = 2; r.bad_col = i; return; }
+    if (mr_div(zi, temp) == -kNegInf) { r.bad_code = 3; r.bad_col = i; return; }
+  }
+}
+
+// x = z / T into `x` (not stored when x is null: fp32 logits at T == 1 are read in place),
+// row max, defect flags.
+template <typename T>
+inline LoadResult load_row(const T* z, int64_t v, float temp, float* x) {
+  LoadResult r;
+  bool defect = false;
+  int64_t i = 0;
+  float m = kNegInf;
+#if MR_CPU_AVX2
+  const __m256 t8 = _mm256_set1_ps(temp), inf8 = _mm256_set1_ps(-kNegInf);
+  __m256 vmax = _mm256_set1_ps(kNegInf), flags = _mm256_setzero_ps();
+  for (; i + 8 <= v; i += 8) {
+    const __m256 z8 = load8(z + i);
+    const __m256 x8 = _mm256_div_ps(z8, t8);
+    if (x) _mm256_storeu_ps(x + i, x8);
+    vmax = _mm256_max_ps(x8, vmax);  // NaN lanes keep vmax; they are reported as defects anyway
+    flags = _mm256_or_ps(flags, _mm256_cmp_ps(z8, z8, _CMP_UNORD_Q));
+    flags = _mm256_or_ps(flags, _mm256_cmp_ps(x8, inf8, _CMP_EQ_OQ));  // +inf in z gives +inf in x
+  }
+  defect = _mm256_movemask_ps(flags) != 0;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float l : lanes) m = l > m ? l : m;
+#endif
+  for (; i < v; ++i) {
+    const float zi = load_one(z, i);
+    const float xi = mr_div(zi, temp);
+    if (x) x[i] = xi;
+    m = xi > m ? xi : m;
+    defect |= (zi != zi) || (xi == -kNegInf);
+  }
+  if (defect) find_defect(z, v, temp, r);
+  r.max = m;
+  return r;
+}
+
+// Exact fixed-point masses (kernel_math.h): of all entries, and of entries with x >= thr.
+struct MassSums {
+  int64_t all = 0;
+  int64_t survivors = 0;
+};
+
+inline MassSums mass_sums(const float* x, int64_t v, float m, float thr) {
+  MassSums s;
+  int64_t i = 0;
+#if MR_CPU_AVX2
+  const __m256 m8 = _mm256_set1_ps(m), thr8 = _mm256_set1_ps(thr);
+  const __m256 scale = _mm256_set1_ps(kMassScale);
+  // Lane sums of integers below 2^40 stay exact in double for 4096 steps; flush before that.
+  constexpr int64_t kFlush = 4096;
+  while (i + 8 <= v) {
+    __m256d all_lo = _mm256_setzero_pd(), all_hi = _mm256_setzero_pd();
+    __m256d sur_lo = _mm256_setzero_pd(), sur_hi = _mm256_setzero_pd();
+    const int64_t stop = std::min<int64_t>(v - 7, i + 8 * kFlush);
+    for (; i < stop; i += 8) {
+      const __m256 x8 = _mm256_loadu_ps(x + i);
+      const __m256 d = _mm256_sub_ps(x8, m8);
+      const __m256 e = det_exp8(d);
+      const __m256 q = _mm256_mul_ps(e, scale);
+      const __m256 qs = _mm256_and_ps(q, _mm256_cmp_ps(x8, thr8, _CMP_GE_OQ));
+      const int mode = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
+      all_lo = _mm256_add_pd(all_lo, _mm256_round_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(q)), mode));
+      all_hi = _mm256_add_pd(all_hi, _mm256_round_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)), mode));
+      sur_lo = _mm256_add_pd(sur_lo, _mm256_round_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(qs)), mode));
+      sur_hi = _mm256_add_pd(sur_hi, _mm256_round_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(qs, 1)), mode));
+    }
+    alignas(32) double t[4];
+    for (__m256d acc : {all_lo, all_hi}) {
+      _mm256_store_pd(t, acc);
+      for (double d : t) s.all += static_cast<int64_t>(d);
+    }
+    for (__m256d acc : {sur_lo, sur_hi}) {
+      _mm256_store_pd(t, acc);
+      for (double d : t) s.survivors += static_cast<int64_t>(d);
+    }
+  }
+#endif
+  for (; i < v; ++i) {
+    const int64_t q = mass_q(det_exp(mr_add(x[i], -m)));
+    s.all += q;
+    if (x[i] >= thr) s.survivors += q;
+  }
+  return s;
+}
+
+// Appends to `cand` every index i in [begin, v) with x[i] >= tau. Returns the index where it
+// stopped: v, or earlier once the candidate count passed `cap` (the caller compacts and resumes).
+inline int64_t scan_at_least(const float* x, int64_t begin, int64_t v, float tau, std::vector<int32_t>& cand,
+                             size_t cap) {
+  int64_t i = begin;
+#if MR_CPU_AVX2
+  const __m256 tau8 = _mm256_set1_ps(tau);
+  for (; i + 8 <= v; i += 8) {
+    unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tau8, _CMP_GE_OQ)));
+    if (!bits) continue;
+    while (bits) {
+      cand.push_back(static_cast<int32_t>(i + __builtin_ctz(bits)));
+      bits &= bits - 1;
+    }
+    if (cand.size() > cap) return i + 8;
+  }
+#endif
+  for (; i < v; ++i) {
+    if (x[i] >= tau) {
+      cand.push_back(static_cast<int32_t>(i));
+      if (cand.size() > cap) return i + 1;
+    }
+  }
+  return v;
+}
+
+// Coarse histogram over the top kHistBits of the survivors' keys (x >= thr), with counts and,
+// when `mass` is given, exact fixed-point masses. Used when the support is too wide for the
+// filtering scan to stay small (flat distributions, large k).
+constexpr int kHistBits = 11;
+constexpr int kHistBins = 1 << kHistBits;
+
+inline void histogram_row(const float* x, int64_t v, float m, float thr, int64_t* count, int64_t* mass) {
+  int64_t i = 0;
+#if MR_CPU_AVX2
+  const __m256 m8 = _mm256_set1_ps(m), thr8 = _mm256_set1_ps(thr);
+  alignas(32) uint32_t keys[8];
+  alignas(32) float q[8];
+  for (; i + 8 <= v; i += 8) {
+    const __m256 x8 = _mm256_loadu_ps(x + i);
+    unsigned live = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x8, thr8, _CMP_GE_OQ)));
+    if (!live) continue;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(keys), order_key8(x8));
+    if (mass) {
+      const __m256 e = det_exp8(_mm256_sub_ps(x8, m8));
+      _mm256_store_ps(q, _mm256_mul_ps(e, _mm256_set1_ps(kMassScale)));
+    }
+    while (live) {
+      const int j = __builtin_ctz(live);
+      live &= live - 1;
+      const uint32_t b = keys[j] >> (32 - kHistBits);
+      ++count[b];
+      if (mass) mass[b] += static_cast<int64_t>(q[j]);
+    }
+  }
+#endif
+  for (; i < v; ++i) {
+    if (!(x[i] >= thr)) continue;
+    const uint32_t b = order_key(x[i]) >> (32 - kHistBits);
+    ++count[b];
+    if (mass) mass[b] += mass_q(det_exp(mr_add(x[i], -m)));
+  }
+}
+
+}  // namespace cpu
+}  // namespace mask_replay
