@@ -194,14 +194,20 @@ def check_sampled(dump: Dump, sampled: torch.Tensor, vocab: int, row0: int) -> N
 
 def check_finite(dump: Dump, logits: torch.Tensor, row0: int, key: str = "logits") -> None:
     """NaN or +inf anywhere, or a row with no finite entry, is an error naming the absolute row."""
-    x = logits
+    # One pass in the common case: a row sum is finite unless the row holds NaN or +/-inf; only
+    # those rows (-inf entries are legal, e.g. masked padding) are looked at closely.
+    sums = logits.sum(dim=1, dtype=torch.float32)
+    suspect = torch.nonzero(~torch.isfinite(sums)).flatten()
+    if suspect.numel() == 0:
+        return
+    x = logits[suspect]
     bad = torch.isnan(x).any(1) | torch.isposinf(x).any(1) | torch.isneginf(x).all(1)
     if bad.any():
-        r = int(torch.nonzero(bad)[0])
-        row = x[r]
+        i = int(torch.nonzero(bad)[0])
+        row = x[i]
         what = ("NaN" if bool(torch.isnan(row).any()) else "+inf" if bool(torch.isposinf(row).any())
                 else "no finite entry")
-        raise dump.err(key, what, row0 + r)
+        raise dump.err(key, what, row0 + int(suspect[i]))
 
 
 _ROW_RE = re.compile(r"\brow (\d+)")

@@ -493,3 +493,17 @@ def test_pt_dump_must_be_a_dict_of_tensors(tmp_path):
     path = tmp_path / "r.pt"
     torch.save([torch.zeros(2)], path)
     assert_one_line_error(run("capture", path, "-o", tmp_path / "m.safetensors"), "r.pt", "dict of tensors")
+
+
+def test_check_finite_allows_minus_inf_entries_but_not_empty_rows(tmp_path):
+    from mask_replay.dumps import Dump, check_finite
+    from mask_replay.io import DumpError
+
+    z = make_logits().to(torch.float16) * 1000  # large fp16 values: row sums must not overflow
+    z[3, :5] = float("-inf")  # masked padding is legal
+    path = write(tmp_path / "t.safetensors", {"logits": z})
+    with Dump(path) as d:
+        check_finite(d, z, row0=100)
+        z[6] = float("-inf")
+        with pytest.raises(DumpError, match=r"t.safetensors: key 'logits': no finite entry at row 106"):
+            check_finite(d, z, row0=100)
