@@ -131,16 +131,16 @@ def capture_dumps(
 
         from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="rows", desc="capture", disable=not progress or None, leave=False)
         parts, bytes_read, t0 = [], 0, time.perf_counter()
-        for d, (n, _), has_lp in zip(dumps, shapes, engine_lp):
-            step = chunk_rows or default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                parts.append(_capture_chunk(d, a, b, flags, explicit, device, outside, has_lp, carried))
-                bytes_read += d.nbytes("logits") * (b - a) // max(n, 1)
-                bar.update(b - a)
-        bar.close()
+        # closed (and cleared) on errors too, so an error line never lands after a half-drawn bar
+        with tqdm(total=total, unit="rows", desc="capture", disable=not progress or None, leave=False) as bar:
+            for d, (n, _), has_lp in zip(dumps, shapes, engine_lp):
+                step = chunk_rows or default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
+                for a in range(0, n, step):
+                    b = min(n, a + step)
+                    parts.append(_capture_chunk(d, a, b, flags, explicit, device, outside, has_lp, carried))
+                    bytes_read += d.nbytes("logits") * (b - a) // max(n, 1)
+                    bar.update(b - a)
 
         mask = _concat(parts, carried, outside)
         mask.metadata = {

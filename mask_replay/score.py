@@ -123,8 +123,8 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
         step_rows = chunk_rows or max(1, DEFAULT_CHUNK_BYTES // (vocab * torch.empty(0, dtype=tr.dtype("logits")).element_size()))
         rep = torch.empty(n, dtype=torch.float32)
         full = torch.empty(n, dtype=torch.float32)
-        bar = tqdm(total=n, unit="rows", desc="score", disable=not progress or None, leave=False)
-        with torch.no_grad():
+        with tqdm(total=n, unit="rows", desc="score", disable=not progress or None, leave=False) as bar, \
+                torch.no_grad():
             for a in range(0, n, step_rows):
                 b = min(n, a + step_rows)
                 logits = tr.get("logits", a, b)
@@ -136,7 +136,6 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
                 rep[a:b] = _replay(mask_replay, logits, sub, sampled, t, flagged[a:b], masks_path, a).cpu()
                 full[a:b] = mask_replay.full_logprobs(logits, sampled, t).cpu()
                 bar.update(b - a)
-        bar.close()
 
     rollout = mask.logprobs.double().numpy()
     keep = np.isfinite(rollout) & ~flagged.numpy()
