@@ -22,9 +22,14 @@ $(VENV)/.deps: requirements.txt
 
 venv: $(VENV)/.deps
 
-build: venv
+# The editable install carries the metadata and the console script only; the extension is built
+# in place so that ninja rebuilds just what changed.
+$(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml
+	MASK_REPLAY_SKIP_EXT=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(VENV)/.installed
 	MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --inplace
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
 	$(PY) -c "import mask_replay; print('built:', mask_replay.build_info())"
 
 test: build

@@ -4,6 +4,8 @@ Environment switches:
   MASK_REPLAY_CPU_ONLY=1    never compile the .cu sources (fast iteration)
   MASK_REPLAY_FORCE_CUDA=1  compile them even if torch sees no GPU (CI: compile and link only)
   MASK_REPLAY_NO_AVX2=1     build the CPU kernels for baseline x86-64 (portable wheels)
+  MASK_REPLAY_SKIP_EXT=1    package metadata only (the Makefile installs the package editable this
+                            way once, then builds the extension in place with incremental ninja)
   TORCH_CUDA_ARCH_LIST      defaults to "9.0" (H200) when unset
 """
 import glob
@@ -87,7 +89,7 @@ setup(
     version="0.1.0",
     description="Sampling-distribution replay for RL training of language models",
     packages=find_packages(include=["mask_replay", "mask_replay.*"]),
-    ext_modules=extensions(),
+    ext_modules=[] if _flag("MASK_REPLAY_SKIP_EXT") else extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     install_requires=["torch", "click", "safetensors", "numpy", "rich", "tqdm", "matplotlib"],

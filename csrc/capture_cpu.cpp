@@ -30,6 +30,19 @@ struct Scratch {
   std::vector<int64_t> mass, ma, mb, hist_count, hist_mass;
 };
 
+// Per-thread buffers that live across calls: fresh row-sized allocations would page-fault on every
+// call, which costs more than the selection itself. Fetched once per chunk of rows and passed by
+// reference (a thread_local named inside a parallel lambda would be the worker's, not the caller's).
+Scratch& thread_scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+std::vector<std::vector<int32_t>>& thread_chunk_pool() {
+  static thread_local std::vector<std::vector<int32_t>> pool;
+  return pool;
+}
+
 struct RowOutcome {
   int error = 0;  // 1 NaN, 2 +inf, 3 overflow after temperature, 4 no finite entry
   int64_t col = -1;
@@ -86,11 +99,11 @@ bool filter_row(const float* x, int64_t v, float tau, size_t cap, size_t limit, 
 // elements; the elements of higher bins are kept without further work.
 void select_by_histogram(const float* x, int64_t v, float m, float thr, int64_t k, double p, int64_t total,
                          Scratch& s) {
-  s.hist_count.assign(kHistBins, 0);
-  s.hist_mass.assign(kHistBins, 0);
+  s.hist_count.assign(kHistWays * kHistBins, 0);
+  s.hist_mass.assign(kHistWays * kHistBins, 0);
   histogram_row(x, v, m, thr, s.hist_count.data(), k > 0 ? nullptr : s.hist_mass.data());
   int64_t survivors = 0;
-  for (int64_t c : s.hist_count) survivors += c;
+  for (int b = 0; b < kHistBins; ++b) survivors += s.hist_count[b];
   constexpr size_t kNoLimit = ~size_t(0) >> 1;
   if (k > 0 && k >= survivors) {
     filter_row(x, v, thr, kNoLimit, kNoLimit, s, [](Scratch&) { return 0u; });
@@ -165,8 +178,11 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   const int64_t k = prm.top_k;
 
   MassSums sums;
+  // Cut-offs below the max for the top-p start (x units; exp(-16) ~ 1e-7 of the max's mass).
+  const float cut[kCuts] = {thr, std::max(thr, mr_add(m, -1.0f)), std::max(thr, mr_add(m, -3.0f)),
+                            std::max(thr, mr_add(m, -7.0f)), std::max(thr, mr_add(m, -16.0f))};
   const bool need_sums = want_logz || (use_top_p && k <= 0);
-  if (need_sums) sums = mass_sums(x, v, m, thr);
+  if (need_sums) sums = mass_sums(x, v, m, cut);
   if (want_logz) res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(sums.all) / kMassScaleD));
 
   constexpr size_t kNoLimit = ~size_t(0) >> 1;
@@ -190,7 +206,16 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
                                            s.ma, s.kb, s.mb));
     }
   } else if (use_top_p) {
-    const int64_t total = sums.survivors;
+    const int64_t total = sums.above[0];
+    // Entries below a cut-off whose upper part already holds p * Z have at least that much mass
+    // strictly above them: none of them can be kept, so the scan starts at the highest such cut.
+    float start = thr;
+    for (int j = 1; j < kCuts; ++j) {
+      if (!below_top_p(sums.above[j], prm.top_p, total)) {
+        start = cut[j];
+        break;
+      }
+    }
     auto raise = [&](Scratch& sc) {
       gather_masses(x, m, sc.cand, sc.mass, nullptr);
       return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma,
@@ -199,11 +224,11 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
     // Every mass is at most the max's (1.0 in these units), so the support holds at least
     // p * total / 2^40 tokens: past the filter's limit, go straight to the histogram.
     const bool wide = prm.top_p * (static_cast<double>(total) / kMassScaleD) > 4096.0;
-    if (!wide && filter_row(x, v, thr, 1024, 8192, s, raise)) {
+    if (!wide && filter_row(x, v, start, 1024, 8192, s, raise)) {
       gather_keys(x, s.cand, s.keys);
       keep_at_least(s, raise(s));
     } else {
-      select_by_histogram(x, v, m, thr, 0, prm.top_p, total, s);
+      select_by_histogram(x, v, m, start, 0, prm.top_p, total, s);
     }
   } else {
     filter_row(x, v, thr, kNoLimit, kNoLimit, s, [](Scratch&) { return 0u; });
@@ -239,13 +264,14 @@ std::vector<int64_t> run_rows(const at::Tensor& logits, const Params& prm, bool 
   const int64_t n = logits.size(0), v = logits.size(1), stride = logits.stride(0);
   const T* base = logits.const_data_ptr<T>();
   const int64_t nchunks = std::min<int64_t>(n, std::max<int64_t>(1, at::get_num_threads()) * 8);
-  chunk_ids.assign(nchunks, {});
+  if (static_cast<int64_t>(chunk_ids.size()) < nchunks) chunk_ids.resize(nchunks);
+  for (auto& c : chunk_ids) c.clear();  // keeps capacity: pooled buffers spare page faults
   chunk_start.resize(nchunks + 1);
   for (int64_t c = 0; c <= nchunks; ++c) chunk_start[c] = n * c / std::max<int64_t>(nchunks, 1);
   std::vector<int64_t> counts(n, 0);
   std::vector<RowOutcome> errs(n);
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-    Scratch s;
+    Scratch& s = thread_scratch();
     for (int64_t c = c0; c < c1; ++c) {
       for (int64_t r = chunk_start[c]; r < chunk_start[c + 1]; ++r) {
         const size_t before = chunk_ids[c].size();
@@ -292,7 +318,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cpu(const at::Tensor& log
   at::Tensor logz = at::empty({compute_logz ? n : 0}, logits.options().dtype(at::kFloat));
   const Params prm{t.const_data_ptr<float>(), kk.const_data_ptr<int64_t>(), p.const_data_ptr<double>(),
                    mp.const_data_ptr<double>()};
-  std::vector<std::vector<int32_t>> chunk_ids;
+  std::vector<std::vector<int32_t>>& chunk_ids = thread_chunk_pool();
   std::vector<int64_t> chunk_start, counts;
   dispatch_dtype(logits, [&](auto tag) {
     using T = decltype(tag);
@@ -305,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cpu(const at::Tensor& log
   for (int64_t r = 0; r < n; ++r) off[r + 1] = off[r] + counts[r];
   at::Tensor ids = at::empty({off[n]}, logits.options().dtype(at::kInt));
   int32_t* out = ids.data_ptr<int32_t>();
-  at::parallel_for(0, static_cast<int64_t>(chunk_ids.size()), 1, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, static_cast<int64_t>(chunk_start.size()) - 1, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c)
       std::copy(chunk_ids[c].begin(), chunk_ids[c].end(), out + off[chunk_start[c]]);
   });
@@ -339,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cpu(const at::Tenso
   }
   const Params prm{t.const_data_ptr<float>(), kk.const_data_ptr<int64_t>(), p.const_data_ptr<double>(),
                    mp.const_data_ptr<double>()};
-  std::vector<std::vector<int32_t>> chunk_ids;
+  std::vector<std::vector<int32_t>>& chunk_ids = thread_chunk_pool();
   std::vector<int64_t> chunk_start, counts;
   std::vector<RowOutcome> outcomes;
   dispatch_dtype(logits, [&](auto tag) {
@@ -352,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cpu(const at::Tenso
   int32_t* idp = ids.data_ptr<int32_t>();
   int64_t* cp = cnt.data_ptr<int64_t>();
   bool* op = overflow.data_ptr<bool>();
-  for (size_t c = 0; c < chunk_ids.size(); ++c) {
+  for (size_t c = 0; c + 1 < chunk_start.size(); ++c) {
     int64_t pos = 0;
     for (int64_t r = chunk_start[c]; r < chunk_start[c + 1]; ++r) {
       const bool bad = bad_param[r] || (!outcomes.empty() && outcomes[r].error != 0);

@@ -113,51 +113,63 @@ inline LoadResult load_row(const T* z, int64_t v, float temp, float* x) {
   return r;
 }
 
-// Exact fixed-point masses (kernel_math.h): of all entries, and of entries with x >= thr.
+// Exact fixed-point masses (kernel_math.h) of all entries and of the entries with x >= cut[j],
+// for a few cut-offs at once: cut[0] is the survivors' threshold, the others let top-p start its
+// filtering scan at the highest cut-off that already holds a mass of p * Z.
+constexpr int kCuts = 5;
 struct MassSums {
   int64_t all = 0;
-  int64_t survivors = 0;
+  int64_t above[kCuts] = {0, 0, 0, 0, 0};
 };
 
-inline MassSums mass_sums(const float* x, int64_t v, float m, float thr) {
+inline MassSums mass_sums(const float* x, int64_t v, float m, const float* cut) {
   MassSums s;
   int64_t i = 0;
 #if MR_CPU_AVX2
-  const __m256 m8 = _mm256_set1_ps(m), thr8 = _mm256_set1_ps(thr);
+  const __m256 m8 = _mm256_set1_ps(m);
   const __m256 scale = _mm256_set1_ps(kMassScale);
+  __m256d cut4[kCuts];
+  for (int j = 0; j < kCuts; ++j) cut4[j] = _mm256_set1_pd(static_cast<double>(cut[j]));
   // Lane sums of integers below 2^40 stay exact in double for 4096 steps; flush before that.
   constexpr int64_t kFlush = 4096;
+  alignas(32) double t[4];
   while (i + 8 <= v) {
     __m256d all_lo = _mm256_setzero_pd(), all_hi = _mm256_setzero_pd();
-    __m256d sur_lo = _mm256_setzero_pd(), sur_hi = _mm256_setzero_pd();
+    __m256d lo[kCuts], hi[kCuts];
+    for (int j = 0; j < kCuts; ++j) lo[j] = hi[j] = _mm256_setzero_pd();
     const int64_t stop = std::min<int64_t>(v - 7, i + 8 * kFlush);
     for (; i < stop; i += 8) {
       const __m256 x8 = _mm256_loadu_ps(x + i);
-      const __m256 d = _mm256_sub_ps(x8, m8);
-      const __m256 e = det_exp8(d);
-      const __m256 q = _mm256_mul_ps(e, scale);
-      const __m256 qs = _mm256_and_ps(q, _mm256_cmp_ps(x8, thr8, _CMP_GE_OQ));
+      const __m256 q = _mm256_mul_ps(det_exp8(_mm256_sub_ps(x8, m8)), scale);
       const int mode = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
-      all_lo = _mm256_add_pd(all_lo, _mm256_round_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(q)), mode));
-      all_hi = _mm256_add_pd(all_hi, _mm256_round_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)), mode));
-      sur_lo = _mm256_add_pd(sur_lo, _mm256_round_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(qs)), mode));
-      sur_hi = _mm256_add_pd(sur_hi, _mm256_round_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(qs, 1)), mode));
+      const __m256d q_lo = _mm256_round_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(q)), mode);
+      const __m256d q_hi = _mm256_round_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)), mode);
+      const __m256d x_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x8));  // exact: compares as floats
+      const __m256d x_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x8, 1));
+      all_lo = _mm256_add_pd(all_lo, q_lo);
+      all_hi = _mm256_add_pd(all_hi, q_hi);
+      for (int j = 0; j < kCuts; ++j) {
+        lo[j] = _mm256_add_pd(lo[j], _mm256_and_pd(q_lo, _mm256_cmp_pd(x_lo, cut4[j], _CMP_GE_OQ)));
+        hi[j] = _mm256_add_pd(hi[j], _mm256_and_pd(q_hi, _mm256_cmp_pd(x_hi, cut4[j], _CMP_GE_OQ)));
+      }
     }
-    alignas(32) double t[4];
-    for (__m256d acc : {all_lo, all_hi}) {
+    auto flush = [&](__m256d acc, int64_t& into) {
       _mm256_store_pd(t, acc);
-      for (double d : t) s.all += static_cast<int64_t>(d);
-    }
-    for (__m256d acc : {sur_lo, sur_hi}) {
-      _mm256_store_pd(t, acc);
-      for (double d : t) s.survivors += static_cast<int64_t>(d);
+      for (double d : t) into += static_cast<int64_t>(d);
+    };
+    flush(all_lo, s.all);
+    flush(all_hi, s.all);
+    for (int j = 0; j < kCuts; ++j) {
+      flush(lo[j], s.above[j]);
+      flush(hi[j], s.above[j]);
     }
   }
 #endif
   for (; i < v; ++i) {
     const int64_t q = mass_q(det_exp(mr_add(x[i], -m)));
     s.all += q;
-    if (x[i] >= thr) s.survivors += q;
+    for (int j = 0; j < kCuts; ++j)
+      if (x[i] >= cut[j]) s.above[j] += q;
   }
   return s;
 }
@@ -193,7 +205,10 @@ inline int64_t scan_at_least(const float* x, int64_t begin, int64_t v, float tau
 // filtering scan to stay small (flat distributions, large k).
 constexpr int kHistBits = 11;
 constexpr int kHistBins = 1 << kHistBits;
+// Neighbouring lanes often hit the same bin; separate copies break the store-to-load chains.
+constexpr int kHistWays = 4;
 
+// count and mass hold kHistWays * kHistBins zeroed entries; the result is in the first kHistBins.
 inline void histogram_row(const float* x, int64_t v, float m, float thr, int64_t* count, int64_t* mass) {
   int64_t i = 0;
 #if MR_CPU_AVX2
@@ -212,7 +227,7 @@ inline void histogram_row(const float* x, int64_t v, float m, float thr, int64_t
     while (live) {
       const int j = __builtin_ctz(live);
       live &= live - 1;
-      const uint32_t b = keys[j] >> (32 - kHistBits);
+      const uint32_t b = (keys[j] >> (32 - kHistBits)) + (j & (kHistWays - 1)) * kHistBins;
       ++count[b];
       if (mass) mass[b] += static_cast<int64_t>(q[j]);
     }
@@ -223,6 +238,12 @@ inline void histogram_row(const float* x, int64_t v, float m, float thr, int64_t
     const uint32_t b = order_key(x[i]) >> (32 - kHistBits);
     ++count[b];
     if (mass) mass[b] += mass_q(det_exp(mr_add(x[i], -m)));
+  }
+  for (int w = 1; w < kHistWays; ++w) {
+    for (int b = 0; b < kHistBins; ++b) {
+      count[b] += count[w * kHistBins + b];
+      if (mass) mass[b] += mass[w * kHistBins + b];
+    }
   }
 }
 
