@@ -128,13 +128,12 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
             for a in range(0, n, step_rows):
                 b = min(n, a + step_rows)
                 logits = tr.get("logits", a, b)
-                check_finite(tr, logits, a)
                 sub = mask.select_rows(a, b)
                 sampled, t = mask.sampled[a:b], temp[a:b]
                 if device != "cpu":
                     logits, sub, sampled, t = logits.to(device), sub.to(device), sampled.to(device), t.to(device)
+                full[a:b] = _full(mask_replay, tr, logits, sampled, t, a).cpu()
                 rep[a:b] = _replay(mask_replay, logits, sub, sampled, t, flagged[a:b], masks_path, a).cpu()
-                full[a:b] = mask_replay.full_logprobs(logits, sampled, t).cpu()
                 bar.update(b - a)
 
     rollout = mask.logprobs.double().numpy()
@@ -151,6 +150,19 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
     rollout, r, f = rollout[keep], rep.double().numpy()[keep], full.double().numpy()[keep]
     report = build_report(rollout, r, f, kept.double().numpy()[keep], step, seq)
     return ScoreResult(report, rollout, r, f, step, notes)
+
+
+def _full(mask_replay, tr, logits, sampled, t, row0):
+    """Full-vocabulary log-probs; the pass over the logits doubles as the NaN/+inf check: a bad row
+    makes its log-sum-exp non-finite, and only such rows are examined (and named)."""
+    try:
+        logp = mask_replay.full_logprobs(logits, sampled, t)
+    except RuntimeError:
+        check_finite(tr, logits.cpu(), row0)
+        raise
+    for r in torch.nonzero(~torch.isfinite(logp)).flatten().tolist():
+        check_finite(tr, logits[r: r + 1].cpu(), row0 + r)
+    return logp
 
 
 def _replay(mask_replay, logits, sub, sampled, t, flagged, masks_path, row0):
