@@ -107,6 +107,10 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
         notes.append(f"{masks_path}: no 'temperature' key: scoring at temperature 1.0")
         temp = torch.ones(n)
     temp = temp.to(torch.float32)
+    # Greedy rows (T = 0) have no sampling distribution to compare: they are left out of the
+    # metrics, and run through the ops at T = 1 only so that nothing divides by zero.
+    greedy = temp == 0
+    temp = torch.where(greedy, torch.ones_like(temp), temp)
 
     with Dump(training_path) as tr:
         nt, vocab = tr.require_logits()
@@ -138,8 +142,11 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
 
     rollout = mask.logprobs.double().numpy()
     keep = np.isfinite(rollout) & ~flagged.numpy()
-    if not keep.all():
-        notes.append(f"{int((~keep).sum())} rows without a finite rollout log-prob (sampled outside "
+    if bool(greedy.any()):
+        notes.append(f"{int(greedy.sum())} greedy rows (temperature 0) left out of the metrics")
+        keep &= ~greedy.numpy()
+    if not (keep | greedy.numpy()).all():
+        notes.append(f"{int((~keep & ~greedy.numpy()).sum())} rows without a finite rollout log-prob (sampled outside "
                      "their support) left out of the metrics")
     kept = mask.kept_mass
     if kept is None:

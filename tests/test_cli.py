@@ -507,3 +507,20 @@ def test_check_finite_allows_minus_inf_entries_but_not_empty_rows(tmp_path):
         z[6] = float("-inf")
         with pytest.raises(DumpError, match=r"t.safetensors: key 'logits': no finite entry at row 106"):
             check_finite(d, z, row0=100)
+
+
+@needs_ops
+def test_score_leaves_greedy_rows_out(tmp_path):
+    temps = torch.ones(N)
+    temps[:4] = 0.0
+    path = write(tmp_path / "r.safetensors", rollout_tensors(temperature=temps))
+    masks = tmp_path / "m.safetensors"
+    assert run("capture", path, "-o", masks).exit_code == 0
+    training = write(tmp_path / "t.safetensors", {"logits": rollout_tensors()["logits"]})
+    js = tmp_path / "s.json"
+    result = run("score", "--masks", masks, "--training", training, "--json", js)
+    assert result.exit_code == 0, result.output
+    assert "4 greedy rows" in result.stderr
+    report = json.loads(js.read_text())
+    assert report["tokens"] == N - 4
+    assert report["replay"]["importance_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
