@@ -524,3 +524,17 @@ def test_score_leaves_greedy_rows_out(tmp_path):
     report = json.loads(js.read_text())
     assert report["tokens"] == N - 4
     assert report["replay"]["importance_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+@needs_ops
+def test_plot_needs_steps(tmp_path):
+    t = rollout_tensors()
+    del t["step"]
+    path = write(tmp_path / "r.safetensors", t)
+    masks = tmp_path / "m.safetensors"
+    assert run("capture", path, "-o", masks).exit_code == 0
+    training = write(tmp_path / "t.safetensors", {"logits": t["logits"]})
+    result = run("score", "--masks", masks, "--training", training, "--json", tmp_path / "s.json",
+                 "--plot", tmp_path / "s.png")
+    assert_one_line_error(result, "s.png", "no 'step' key")
+    assert_clean(tmp_path, "s.json", "s.png")

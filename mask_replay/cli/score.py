@@ -1,7 +1,7 @@
 """`mask-replay score`: training log-probs with and without replay against the rollout's."""
 import click
 
-from mask_replay.cli.common import CONTEXT, check_device, console, fmt, one_line_errors
+from mask_replay.cli.common import CONTEXT, CliError, check_device, console, fmt, one_line_errors
 
 
 @click.command(context_settings=CONTEXT)
@@ -26,16 +26,22 @@ def score(masks, training, json_out, plot, chunk_rows, device):
     for out in (json_out, plot):
         if out:
             check_writable(out)
+    if plot:
+        from mask_replay.dumps import Dump
+
+        with Dump(masks) as d:  # header only; refuse now rather than after scoring
+            if "step" not in d:
+                raise CliError(f"{plot}: nothing to plot: {masks} has no 'step' key")
     result = score_files(masks, training, chunk_rows=chunk_rows, device=device, progress=True)
     for note in result.notes:
         console(err=True).print(f"mask-replay: note: {note}")
     print_report(result.report)
-    if json_out:
-        write_text(json_out, json.dumps(result.report, indent=2) + "\n")
-    if plot:
+    if plot:  # first: it is the one that can still refuse (no steps to plot), before any output
         from mask_replay.plots import plot_report
 
         plot_report(result.report, plot)
+    if json_out:
+        write_text(json_out, json.dumps(result.report, indent=2) + "\n")
 
 
 ROWS = (
