@@ -1,17 +1,226 @@
-"""Replay on the trainer side (placeholder until the replay ops land)."""
+"""Replay on the trainer side: log-probs of sampled tokens over their recorded support K.
+
+    log pi_K(y) = x_y - logsumexp_{j in K} x_j,   x = logits / T
+
+computed from the |K| gathered logits only (O(nnz), not O(N x V)), with gradients. Every op has a
+fake kernel and its backward is itself a registered op, so torch.compile(fullgraph=True) traces
+forward and backward.
+
+Fallback (``fallback=True``): a row whose sampled token is outside K, or whose K is empty, gets
+the full-vocabulary log-prob instead of an error. ``return_status=True`` then also returns an
+int8 tensor [N]: 0 replayed over K, 1 fell back because the sampled token was outside K,
+2 fell back because K was empty.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from mask_replay._ext import ops
+from mask_replay.mask import SamplingMask
+
+Temperature = Union[float, int, torch.Tensor]
+
+REPLAYED, FELL_BACK_OUTSIDE, FELL_BACK_EMPTY = 0, 1, 2
 
 
-def replay_logprobs(*args, **kwargs):
-    raise NotImplementedError
+def _out_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def replay_logprobs_from_hidden(*args, **kwargs):
-    raise NotImplementedError
+def _temperature(temperature: Temperature, n: int, device) -> torch.Tensor:
+    """Per-row float32 [N]; values are checked row by row in the kernels."""
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.detach()
+        if t.dim() == 0:
+            t = t.reshape(1).expand(n)
+        if t.dim() != 1 or t.shape[0] != n:
+            raise ValueError(f"temperature: expected a scalar or a tensor of shape [{n}], got {tuple(t.shape)}")
+        return t.to(device=device, dtype=torch.float32).contiguous()
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature: expected a number or a tensor, got {type(temperature).__name__}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    return torch.full((n,), float(temperature), dtype=torch.float32, device=device)
 
 
-def full_logprobs(*args, **kwargs):
-    raise NotImplementedError
+def _sampled(sampled: Optional[torch.Tensor], mask: Optional[SamplingMask], n: int, device) -> torch.Tensor:
+    if sampled is None:
+        if mask is None or mask.sampled is None:
+            raise ValueError("sampled is required (the mask carries no sampled tokens)")
+        sampled = mask.sampled
+    if not isinstance(sampled, torch.Tensor) or sampled.dim() != 1 or sampled.shape[0] != n:
+        shape = tuple(sampled.shape) if isinstance(sampled, torch.Tensor) else type(sampled).__name__
+        raise ValueError(f"sampled must be a tensor of shape [{n}], got {shape}")
+    if sampled.is_floating_point() or sampled.is_complex():
+        raise ValueError(f"sampled must hold integer token ids, got {sampled.dtype}")
+    return sampled.to(device=device, dtype=torch.int64).contiguous()
 
 
-def kept_mass(*args, **kwargs):
-    raise NotImplementedError
+def _mask_tensors(mask: SamplingMask, device):
+    if not isinstance(mask, SamplingMask):
+        raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
+    # A mask loaded from disk lives on the CPU while the logits are on the GPU; it is O(nnz).
+    return mask.token_ids.to(device), mask.offsets.to(device)
+
+
+def replay_logprobs(
+    logits: torch.Tensor,
+    mask: SamplingMask,
+    sampled: Optional[torch.Tensor] = None,
+    temperature: Temperature = 1.0,
+    *,
+    fallback: bool = False,
+    return_status: bool = False,
+):
+    """Log-prob of ``sampled`` under softmax(logits / T) renormalised over each row's support.
+
+    logits [N, V] float32/bfloat16/float16 (float64 for gradcheck), any strides; mask a
+    SamplingMask of N rows; sampled [N] int (defaults to ``mask.sampled``); temperature a scalar or
+    a per-row tensor [N]. Returns float32 [N] (float64 for float64 logits), differentiable w.r.t.
+    logits; with ``return_status`` returns ``(logp, status)`` (see the module docstring).
+    A row with |K| = 1 gives 0 and a zero gradient.
+    """
+    n = logits.shape[0]
+    ids, offsets = _mask_tensors(mask, logits.device)
+    y = _sampled(sampled, mask, n, logits.device)
+    t = _temperature(temperature, n, logits.device)
+    logp, _, status = ops.replay_fwd(logits, ids, offsets, y, t, bool(fallback))
+    return (logp, status) if return_status else logp
+
+
+def replay_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    mask: SamplingMask,
+    sampled: Optional[torch.Tensor] = None,
+    temperature: Temperature = 1.0,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    fallback: bool = False,
+    return_status: bool = False,
+):
+    """replay_logprobs(hidden @ weight.T + bias, ...) without the [N, V] projection.
+
+    hidden [N, d], weight [V, d] (the LM head), bias [V] or None, all of one dtype. Logits are
+    computed only for the tokens of K, in forward and backward (O(nnz x d)); gradients flow to
+    hidden, weight (only rows in K are non-zero) and bias. Fallback rows need the full projection
+    of their own row (done densely for those rows only).
+    """
+    n = hidden.shape[0]
+    ids, offsets = _mask_tensors(mask, hidden.device)
+    y = _sampled(sampled, mask, n, hidden.device)
+    t = _temperature(temperature, n, hidden.device)
+    b = bias if bias is not None else hidden.new_empty((0,))
+    logp, _, status = ops.hidden_fwd(hidden, weight, b, ids, offsets, y, t, bool(fallback))
+    return (logp, status) if return_status else logp
+
+
+def full_logprobs(logits: torch.Tensor, sampled: torch.Tensor, temperature: Temperature = 1.0) -> torch.Tensor:
+    """log softmax(logits / T)[sampled] over the whole vocabulary (the no-replay baseline), one
+    pass over each row, differentiable w.r.t. logits."""
+    n = logits.shape[0]
+    y = _sampled(sampled, None, n, logits.device)
+    t = _temperature(temperature, n, logits.device)
+    logp, _ = ops.full_fwd(logits, y, t)
+    return logp
+
+
+def kept_mass(logits: torch.Tensor, mask: SamplingMask, temperature: Temperature = 1.0) -> torch.Tensor:
+    """exp(logsumexp_K x - logsumexp_V x): the probability mass the support keeps under the full
+    temperature-scaled distribution (0 for an empty row). Not differentiable."""
+    n = logits.shape[0]
+    ids, offsets = _mask_tensors(mask, logits.device)
+    return ops.kept_mass(logits, ids, offsets, _temperature(temperature, n, logits.device))
+
+
+# ---- fake kernels -----------------------------------------------------------------------------
+@torch.library.register_fake("mask_replay::replay_fwd")
+def _replay_fwd_fake(logits, token_ids, offsets, sampled, temperature, fallback):
+    n = logits.shape[0]
+    out = _out_dtype(logits)
+    return logits.new_empty((n,), dtype=out), logits.new_empty((n,), dtype=out), logits.new_empty((n,), dtype=torch.int8)
+
+
+@torch.library.register_fake("mask_replay::replay_bwd")
+def _replay_bwd_fake(grad, logits, token_ids, offsets, sampled, temperature, lse, status):
+    return logits.new_empty(logits.shape)
+
+
+@torch.library.register_fake("mask_replay::full_fwd")
+def _full_fwd_fake(logits, sampled, temperature):
+    n = logits.shape[0]
+    out = _out_dtype(logits)
+    return logits.new_empty((n,), dtype=out), logits.new_empty((n,), dtype=out)
+
+
+@torch.library.register_fake("mask_replay::full_bwd")
+def _full_bwd_fake(grad, logits, sampled, temperature, lse):
+    return logits.new_empty(logits.shape)
+
+
+@torch.library.register_fake("mask_replay::kept_mass")
+def _kept_mass_fake(logits, token_ids, offsets, temperature):
+    return logits.new_empty((logits.shape[0],), dtype=_out_dtype(logits))
+
+
+@torch.library.register_fake("mask_replay::hidden_fwd")
+def _hidden_fwd_fake(hidden, weight, bias, token_ids, offsets, sampled, temperature, fallback):
+    n = hidden.shape[0]
+    out = _out_dtype(hidden)
+    return hidden.new_empty((n,), dtype=out), hidden.new_empty((n,), dtype=out), hidden.new_empty((n,), dtype=torch.int8)
+
+
+@torch.library.register_fake("mask_replay::hidden_bwd")
+def _hidden_bwd_fake(grad, hidden, weight, bias, token_ids, offsets, sampled, temperature, lse, status):
+    gb = bias.new_empty((weight.shape[0],)) if bias.numel() > 0 else hidden.new_empty((0,))
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), gb
+
+
+# ---- autograd: the backward of each op is another registered op --------------------------------
+# lse and status are auxiliary outputs (saved for the backward, never differentiated): their
+# incoming gradients are ignored.
+def _replay_setup(ctx, inputs, output):
+    logits, token_ids, offsets, sampled, temperature, _ = inputs
+    _, lse, status = output
+    ctx.save_for_backward(logits, token_ids, offsets, sampled, temperature, lse, status)
+
+
+def _replay_backward(ctx, grad_logp, _grad_lse, _grad_status):
+    logits, token_ids, offsets, sampled, temperature, lse, status = ctx.saved_tensors
+    g = ops.replay_bwd(grad_logp.contiguous(), logits, token_ids, offsets, sampled, temperature, lse, status)
+    return g, None, None, None, None, None
+
+
+torch.library.register_autograd("mask_replay::replay_fwd", _replay_backward, setup_context=_replay_setup)
+
+
+def _full_setup(ctx, inputs, output):
+    logits, sampled, temperature = inputs
+    ctx.save_for_backward(logits, sampled, temperature, output[1])
+
+
+def _full_backward(ctx, grad_logp, _grad_lse):
+    logits, sampled, temperature, lse = ctx.saved_tensors
+    return ops.full_bwd(grad_logp.contiguous(), logits, sampled, temperature, lse), None, None
+
+
+torch.library.register_autograd("mask_replay::full_fwd", _full_backward, setup_context=_full_setup)
+
+
+def _hidden_setup(ctx, inputs, output):
+    hidden, weight, bias, token_ids, offsets, sampled, temperature, _ = inputs
+    _, lse, status = output
+    ctx.save_for_backward(hidden, weight, bias, token_ids, offsets, sampled, temperature, lse, status)
+
+
+def _hidden_backward(ctx, grad_logp, _grad_lse, _grad_status):
+    hidden, weight, bias, token_ids, offsets, sampled, temperature, lse, status = ctx.saved_tensors
+    gh, gw, gb = ops.hidden_bwd(grad_logp.contiguous(), hidden, weight, bias, token_ids, offsets, sampled,
+                                temperature, lse, status)
+    return gh, gw, (gb if bias.numel() > 0 else None), None, None, None, None, None
+
+
+torch.library.register_autograd("mask_replay::hidden_fwd", _hidden_backward, setup_context=_hidden_setup)

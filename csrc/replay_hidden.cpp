@@ -1,0 +1,61 @@
+// Device-agnostic parts of the sparse LM head (see replay_hidden.h).
+#include "replay_hidden.h"
+
+#include "replay_checks.h"
+
+namespace mask_replay {
+namespace {
+
+// x = (h W^T + b) / T for the given rows, [F, V] in the output dtype (float32 or float64).
+at::Tensor fallback_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
+                           const at::Tensor& temperature, const at::Tensor& rows, at::ScalarType out) {
+  at::Tensor z = at::matmul(hidden.index_select(0, rows), weight.t()).to(out);
+  if (has_bias(bias, weight.size(0))) z = z + bias.to(out);
+  return z / temperature.index_select(0, rows).to(out).unsqueeze(1);
+}
+
+}  // namespace
+
+void check_hidden_op(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
+                     const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& sampled,
+                     const at::Tensor& temperature) {
+  check_hidden_args(op, hidden, weight, bias);
+  const int64_t n = hidden.size(0);
+  check_mask(op, token_ids, offsets, n, hidden.device());
+  check_vec(op, sampled, "sampled", n, at::kLong, hidden.device());
+  check_vec(op, temperature, "temperature", n, at::kFloat, hidden.device());
+}
+
+void hidden_fallback_fwd(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
+                         const at::Tensor& sampled, const at::Tensor& temperature, const at::Tensor& status,
+                         at::Tensor& logp, at::Tensor& lse) {
+  const at::Tensor rows = at::nonzero(status > 0).squeeze(1);
+  if (rows.numel() == 0) return;
+  const at::Tensor x = fallback_logits(hidden, weight, bias, temperature, rows, logp.scalar_type());
+  const at::Tensor l = at::logsumexp(x.to(at::kDouble), {1});
+  const at::Tensor xy = x.gather(1, sampled.index_select(0, rows).unsqueeze(1)).squeeze(1).to(at::kDouble);
+  logp.index_copy_(0, rows, (xy - l).to(logp.scalar_type()));
+  lse.index_copy_(0, rows, l.to(lse.scalar_type()));
+}
+
+void hidden_fallback_bwd(const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight,
+                         const at::Tensor& bias, const at::Tensor& sampled, const at::Tensor& temperature,
+                         const at::Tensor& lse, const at::Tensor& status, at::Tensor& grad_hidden,
+                         at::Tensor& grad_weight, at::Tensor& grad_bias) {
+  const at::Tensor rows = at::nonzero(status > 0).squeeze(1);
+  if (rows.numel() == 0) return;
+  const auto out = lse.scalar_type();
+  const at::Tensor x = fallback_logits(hidden, weight, bias, temperature, rows, out);
+  const at::Tensor p = at::exp(x.to(at::kDouble) - lse.index_select(0, rows).to(at::kDouble).unsqueeze(1)).to(out);
+  const at::Tensor ys = sampled.index_select(0, rows).unsqueeze(1);
+  // coef = (g / T) (onehot(y) - p), the gradient w.r.t. the fallback rows' logits
+  at::Tensor coef = p.neg();
+  coef.scatter_add_(1, ys, at::ones_like(ys, coef.options()));
+  coef.mul_((grad.index_select(0, rows) / temperature.index_select(0, rows).to(out)).unsqueeze(1));
+  const at::Tensor cw = coef.to(weight.scalar_type());
+  grad_hidden.index_copy_(0, rows, at::matmul(cw, weight).to(grad_hidden.scalar_type()));
+  grad_weight.addmm_(cw.t(), hidden.index_select(0, rows));
+  if (grad_bias.numel() > 0) grad_bias.add_(coef.sum(0).to(grad_bias.scalar_type()));
+}
+
+}  // namespace mask_replay
