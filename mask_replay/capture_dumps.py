@@ -99,10 +99,6 @@ def capture_dumps(
     temperature/top_k/top_p/min_p fill rows whose dump lacks that key; names in `explicit` override
     the dump. Errors are DumpError naming the file, key and absolute row.
     """
-    import mask_replay  # the capture op is looked up at call time
-
-    from mask_replay.mask import SamplingMask
-
     out = os.fspath(out)
     if not paths:
         raise DumpError("capture: no input files given")
