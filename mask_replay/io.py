@@ -47,3 +47,23 @@ def read_safetensors(path):
     except Exception as exc:  # safetensors raises its own error types for corrupt headers/data
         raise DumpError(f"{path}: not a readable safetensors file ({exc})") from exc
     return tensors, meta
+
+
+def check_writable(path) -> None:
+    """Fail early (before hours of work) when `path` cannot be created: no folder, no permission,
+    or a folder in its place. atomic_output still guards the final write."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise DumpError(f"{path}: output folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise DumpError(f"{path}: is a folder, expected an output file name")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise DumpError(f"{path}: cannot write in {folder} (permission denied)")
+
+
+def write_text(path, text: str) -> None:
+    """Write a small text file (JSON report) atomically."""
+    with atomic_output(path) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)

@@ -1,0 +1,1 @@
+"""The `mask-replay` command line: thin click commands over the library (see main.py)."""

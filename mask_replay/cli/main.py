@@ -1,7 +1,34 @@
-"""Placeholder until the CLI lands."""
+"""`mask-replay`: capture sampling supports from rollout dumps, score replay against training logits.
+
+Commands live one per module; each imports torch and the heavy library code only when it runs.
+"""
 import click
 
+from mask_replay import __version__
+from mask_replay.cli.common import CONTEXT
+from mask_replay.cli.capture import capture
+from mask_replay.cli.demo import demo
+from mask_replay.cli.info import info
+from mask_replay.cli.inspect import inspect
+from mask_replay.cli.score import score
 
-@click.group()
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "--version", prog_name="mask-replay")
 def main():
-    """mask-replay"""
+    """Record the support of truncated sampling at rollout time and replay it in the trainer.
+
+    \b
+    Typical use:
+      mask-replay capture rollout.safetensors -o masks.safetensors
+      mask-replay score --masks masks.safetensors --training training.safetensors --plot score.png
+      mask-replay demo            (the whole thing on a synthetic RL run)
+    """
+
+
+for command in (capture, score, inspect, demo, info):
+    main.add_command(command)
+
+
+if __name__ == "__main__":
+    main()

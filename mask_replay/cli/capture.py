@@ -1,0 +1,65 @@
+"""`mask-replay capture`: rollout dumps -> one mask file."""
+import click
+from click.core import ParameterSource
+
+from mask_replay.cli.common import CONTEXT, check_device, console, fmt, one_line_errors
+
+PARAMS = ("temperature", "top_k", "top_p", "min_p")
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("rollout", nargs=-1, required=True, type=click.Path(dir_okay=True))
+@click.option("-o", "--output", required=True, type=click.Path(), help="Mask file to write (safetensors).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Sampling temperature (0 = greedy).")
+@click.option("--top-k", type=int, default=None, help="Top-k (<= 0 or >= vocab: off).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Top-p in (0, 1].")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=None, help="Min-p in [0, 1] (0: off).")
+@click.option("--chunk-rows", type=click.IntRange(min=1), default=None,
+              help="Rows per chunk (default: about 256 MB of logits).")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
+@click.option("--outside", type=click.Choice(["error", "flag"]), default="error", show_default=True,
+              help="A sampled token outside its support: stop, or flag the row and go on.")
+@click.pass_context
+@one_line_errors
+def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, device, outside):
+    """Capture the sampling support of every row of ROLLOUT dump(s) into one mask file.
+
+    Sampling parameters come from each dump's own keys (temperature, top_k, top_p, min_p); the
+    flags fill rows whose dump lacks them, and a flag given explicitly overrides the dump. Several
+    dumps are concatenated in order. Logits are read in chunks, so dumps larger than RAM work.
+    """
+    from mask_replay.capture_dumps import capture_dumps
+
+    check_device(device)
+    explicit = frozenset(p for p in PARAMS if ctx.get_parameter_source(p) in
+                         (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
+    summary = capture_dumps(
+        list(rollout), output, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        explicit=explicit, chunk_rows=chunk_rows, device=device, outside=outside, progress=True)
+    err = console(err=True)
+    for note in summary.notes:
+        err.print(f"mask-replay: note: {note}")
+    print_summary(summary, output)
+
+
+def print_summary(summary, output):
+    from rich.table import Table
+
+    s = summary.stats()
+    table = Table(title=f"capture -> {output}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [
+        ("rows", s["rows"]), ("vocab", s["vocab"]), ("nnz (support entries)", s["nnz"]),
+        ("support size mean", s["support_mean"]), ("support size median", s["support_median"]),
+        ("support size p99", s["support_p99"]), ("support size max", s["support_max"]),
+        ("singleton share", s["singleton_share"]),
+    ]
+    if s["outside_support_rows"]:
+        rows.append(("rows flagged outside support", s["outside_support_rows"]))
+    rows += [("bytes written", f"{s['bytes_written']:,}"), ("seconds", s["seconds"]),
+             ("throughput rows/s", s["rows_per_s"]), ("throughput GB/s (logits)", s["gb_per_s"])]
+    for name, value in rows:
+        table.add_row(name, fmt(value))
+    console().print(table)

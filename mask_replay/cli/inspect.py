@@ -1,0 +1,31 @@
+"""`mask-replay inspect`: what a dump or mask file holds, read from its header (logits are not loaded)."""
+import click
+
+from mask_replay.cli.common import CONTEXT, console, fmt, one_line_errors
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("file", type=click.Path())
+@one_line_errors
+def inspect(file):
+    """Keys, shapes, dtypes and rows of FILE; support statistics when it is a mask file."""
+    from rich.table import Table
+
+    from mask_replay.dumps import Dump
+    from mask_replay.inspect_file import describe
+
+    with Dump(file) as d:
+        info = describe(d)
+    out = console()
+    table = Table(title=f"{file}: {info['kind']}", title_justify="left")
+    for col in ("key", "shape", "dtype", "bytes"):
+        table.add_column(col, justify="left" if col in ("key", "dtype") else "right")
+    for k in info["keys"]:
+        table.add_row(k["key"], str(k["shape"]), k["dtype"], f"{k['bytes']:,}")
+    out.print(table)
+    for name, value in info["summary"].items():
+        out.print(f"{name}: {fmt(value)}")
+    for name, value in info["metadata"].items():
+        out.print(f"metadata {name}: {value}")
+    if info["problem"]:
+        out.print(f"[yellow]check: {info['problem']}[/yellow]")

@@ -1,0 +1,128 @@
+"""A synthetic RL run that shows what replay fixes, built from nothing but a seed.
+
+Each step, a policy emits LLM-like logits: a Zipf (unigram-like) prior over the vocabulary, per-context
+noise, and a few context-specific candidate tokens whose lead over the rest varies from row to row
+(so supports range from one token to hundreds). Over the steps the policy grows more confident, as RL
+policies do. The rollout engine samples with top-p from the truncated distribution in fp32 and
+reports its own log-probs; the trainer recomputes the same logits in bf16 (with tiny kernel noise).
+Without replay the trainer scores the sampled token over the full vocabulary, so the importance
+ratio sits at the kept mass (< 1); with replay it scores over the recorded support and only the
+numerical mismatch remains.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+ZIPF_EXPONENT = 1.1
+CANDIDATES = 24  # context-specific tokens per row
+SEQUENCE_LEN = 64  # tokens per sequence (for sequence-level ratios)
+TRAINER_NOISE = 0.02
+# Lead of the top candidate over the background (logits) and its drift per step; spread of the
+# gaps between candidates. Tuned so supports look like LLM ones under top_p=0.9: median of a few
+# tokens, many singletons, a long tail of uncertain rows with hundreds.
+LEAD_MEAN, LEAD_STD, LEAD_DRIFT = 8.5, 3.0, 0.25
+GAP_LOG_MEAN, GAP_LOG_STD = 1.0, 0.8
+
+
+@dataclass
+class DemoConfig:
+    vocab: int = 32768
+    steps: int = 6
+    tokens_per_step: int = 256
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 0.9
+
+
+def _step_logits(cfg: DemoConfig, prior: torch.Tensor, step: int, gen: torch.Generator) -> torch.Tensor:
+    n, v = cfg.tokens_per_step, cfg.vocab
+    z = prior + torch.randn(n, v, generator=gen)
+    # Confidence of each context: how far the candidates lead the background. It drifts up by step.
+    lead = LEAD_MEAN + LEAD_STD * torch.randn(n, 1, generator=gen) + LEAD_DRIFT * step
+    gap_scale = torch.exp(GAP_LOG_MEAN + GAP_LOG_STD * torch.randn(n, 1, generator=gen))
+    gaps = torch.cumsum(torch.empty(n, CANDIDATES).exponential_(1.0, generator=gen) * gap_scale, dim=1)
+    cand = torch.randint(0, v, (n, CANDIDATES), generator=gen)
+    z.scatter_reduce_(1, cand, lead - gaps + gaps[:, :1], reduce="amax")
+    return z
+
+
+def _sample_from_support(logits, mask, temperature, gen):
+    """Sample each row from softmax(x / T) restricted to its support, touching only the nnz gathered
+    logits (Gumbel-max per CSR segment); also the engine's log-prob of the sampled token."""
+    rows = mask.row_ids()
+    ids = mask.token_ids.long()
+    x = logits[rows, ids].double() / temperature
+    n = mask.num_rows
+    key = x - torch.log(-torch.log(torch.rand(x.shape, generator=gen, dtype=torch.float64)))
+    best = torch.full((n,), float("-inf"), dtype=torch.float64).scatter_reduce(0, rows, key, "amax")
+    hit = torch.nonzero(key == best[rows]).flatten()
+    first = torch.full((n,), x.numel(), dtype=torch.int64).scatter_reduce(0, rows[hit], hit, "amin")
+    sampled = ids[first]
+    mx = torch.full((n,), float("-inf"), dtype=torch.float64).scatter_reduce(0, rows, x, "amax")
+    lse = mx + torch.log(torch.zeros(n, dtype=torch.float64).index_add_(0, rows, torch.exp(x - mx[rows])))
+    return sampled, (x[first] - lse).float()
+
+
+def generate_run(out_dir, cfg: DemoConfig, progress: bool = False) -> tuple[str, str]:
+    """Write rollout.safetensors and training.safetensors into out_dir; returns their paths."""
+    import mask_replay
+    from safetensors.torch import save_file
+
+    from mask_replay.io import atomic_output
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rank = torch.empty(cfg.vocab)
+    rank[torch.randperm(cfg.vocab, generator=gen)] = torch.arange(1, cfg.vocab + 1, dtype=torch.float32)
+    prior = -ZIPF_EXPONENT * torch.log(rank)
+
+    n = cfg.steps * cfg.tokens_per_step
+    rollout_logits = torch.empty(n, cfg.vocab, dtype=torch.float32)
+    training_logits = torch.empty(n, cfg.vocab, dtype=torch.bfloat16)
+    sampled = torch.empty(n, dtype=torch.int64)
+    rollout_lp = torch.empty(n, dtype=torch.float32)
+    from tqdm import tqdm
+
+    for s in tqdm(range(cfg.steps), desc="generate", unit="step", disable=not progress or None, leave=False):
+        a, b = s * cfg.tokens_per_step, (s + 1) * cfg.tokens_per_step
+        z = _step_logits(cfg, prior, s, gen)
+        rollout_logits[a:b] = z
+        support = mask_replay.capture(z, temperature=cfg.temperature, top_p=cfg.top_p)
+        sampled[a:b], rollout_lp[a:b] = _sample_from_support(z, support, cfg.temperature, gen)
+        training_logits[a:b] = (z + TRAINER_NOISE * torch.randn(z.shape, generator=gen)).to(torch.bfloat16)
+
+    rows = torch.arange(n)
+    rollout = {
+        "logits": rollout_logits, "sampled": sampled, "rollout_logprobs": rollout_lp,
+        "temperature": torch.tensor(cfg.temperature), "top_p": torch.tensor(cfg.top_p),
+        "step": rows // cfg.tokens_per_step, "sequence": (rows % cfg.tokens_per_step) // SEQUENCE_LEN,
+    }
+    paths = os.path.join(out_dir, "rollout.safetensors"), os.path.join(out_dir, "training.safetensors")
+    meta = {"generator": "mask-replay demo", "config": repr(cfg)}
+    for path, tensors in zip(paths, (rollout, {"logits": training_logits})):
+        with atomic_output(path) as tmp:
+            save_file(tensors, tmp, metadata=meta)
+    return paths
+
+
+def run_demo(out_dir, cfg: DemoConfig, progress: bool = False):
+    """Generate the run, capture its masks and score the trainer against them, through the same
+    library code the capture and score commands use. Returns (capture summary, score result, paths)."""
+    from mask_replay.capture_dumps import capture_dumps
+    from mask_replay.plots import plot_report
+    from mask_replay.score import score_files
+    from mask_replay.io import write_text
+    import json
+
+    os.makedirs(out_dir, exist_ok=True)
+    rollout, training = generate_run(out_dir, cfg, progress)
+    masks = os.path.join(out_dir, "masks.safetensors")
+    summary = capture_dumps([rollout], masks, progress=progress)
+    result = score_files(masks, training, progress=progress)
+    report_path, plot_path = os.path.join(out_dir, "score.json"), os.path.join(out_dir, "score.png")
+    write_text(report_path, json.dumps(result.report, indent=2) + "\n")
+    plot_report(result.report, plot_path, title=f"synthetic RL run, V={cfg.vocab}, top_p={cfg.top_p}")
+    paths = {"rollout": rollout, "training": training, "masks": masks, "json": report_path, "plot": plot_path}
+    return summary, result, paths

@@ -1,0 +1,200 @@
+"""Score: how far training log-probs are from the rollout's, with replay (over the recorded support)
+and without (over the full vocabulary). Reads a mask file and a training dump row-aligned with it."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from mask_replay.dumps import Dump, check_finite, shift_row
+from mask_replay.io import DumpError
+
+METRICS = ("importance_ratio_mean", "importance_ratio_median", "logp_diff_mean", "logp_diff_std",
+           "kl_k1", "kl_k3", "chi2", "frac_outside_0.9_1.1")
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def ratio_metrics(diff: np.ndarray) -> dict:
+    """Metrics of d = training - rollout log-prob per token, with r = exp(d) the importance ratio.
+    k1 = E[-d] and k3 = E[r - 1 - d] estimate KL(rollout || training) from rollout samples."""
+    d = np.asarray(diff, dtype=np.float64)
+    if d.size == 0:
+        return {k: float("nan") for k in METRICS}
+    r = np.exp(d)
+    return {
+        "importance_ratio_mean": float(r.mean()),
+        "importance_ratio_median": float(np.median(r)),
+        "logp_diff_mean": float(d.mean()),
+        "logp_diff_std": float(d.std()),
+        "kl_k1": float(-d.mean()),
+        "kl_k3": float((r - 1.0 - d).mean()),
+        "chi2": float((r * r).mean() - 1.0),
+        "frac_outside_0.9_1.1": float(((r < 0.9) | (r > 1.1)).mean()),
+    }
+
+
+def sequence_metrics(diff: np.ndarray, seq_keys: np.ndarray) -> dict:
+    """Sequence-level ratios: r_seq = exp(sum of d over the sequence's tokens)."""
+    _, inv = np.unique(seq_keys, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    log_r = np.bincount(inv, weights=diff)
+    r = np.exp(log_r)
+    return {
+        "sequences": int(log_r.size),
+        "sequence_ratio_mean": float(r.mean()),
+        "sequence_ratio_median": float(np.median(r)),
+        "sequence_ratio_std": float(r.std()),
+        "sequence_log_ratio_mean": float(log_r.mean()),
+        "sequence_log_ratio_std": float(log_r.std()),
+    }
+
+
+@dataclass
+class ScoreResult:
+    report: dict  # JSON: tokens, kept_mass_mean, replay, no_replay, per_step
+    rollout: np.ndarray  # per token, float64
+    replay: np.ndarray
+    no_replay: np.ndarray
+    step: Optional[np.ndarray]
+    notes: list = field(default_factory=list)
+
+
+def build_report(rollout, replay, no_replay, kept, step=None, sequence=None) -> dict:
+    d_rep, d_full = replay - rollout, no_replay - rollout
+    report = {
+        "tokens": int(rollout.size),
+        "kept_mass_mean": float(np.mean(kept)) if kept.size else float("nan"),
+        "replay": ratio_metrics(d_rep),
+        "no_replay": ratio_metrics(d_full),
+        "per_step": {},
+    }
+    if sequence is not None and rollout.size:
+        # the same sequence index may recur at another step: a sequence is (step, sequence)
+        keys = np.stack([step if step is not None else np.zeros_like(sequence), sequence], axis=1)
+        report["replay"].update(sequence_metrics(d_rep, keys))
+        report["no_replay"].update(sequence_metrics(d_full, keys))
+    if step is not None:
+        for s in np.unique(step):
+            sel = step == s
+            report["per_step"][str(int(s))] = {
+                "tokens": int(sel.sum()),
+                "kept_mass_mean": float(kept[sel].mean()),
+                "replay": ratio_metrics(d_rep[sel]),
+                "no_replay": ratio_metrics(d_full[sel]),
+            }
+    return report
+
+
+def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, device: str = "cpu",
+                progress: bool = True) -> ScoreResult:
+    """Training log-probs with and without replay for every row, against the mask file's rollout
+    log-probs. Errors are DumpError naming the file, key and row."""
+    import mask_replay  # ops looked up at call time
+    from mask_replay.mask import SamplingMask
+
+    masks_path, training_path = os.fspath(masks_path), os.fspath(training_path)
+    mask = SamplingMask.load(masks_path)
+    for key in ("sampled", "logprobs"):
+        if getattr(mask, key) is None:
+            raise DumpError(f"{masks_path}: key '{key}': missing (write mask files with `mask-replay capture`)")
+    notes = []
+    n = mask.num_rows
+    temp = mask.extras.get("temperature")
+    if temp is None:
+        notes.append(f"{masks_path}: no 'temperature' key: scoring at temperature 1.0")
+        temp = torch.ones(n)
+    temp = temp.to(torch.float32)
+    # Greedy rows (T = 0) have no sampling distribution to compare: they are left out of the
+    # metrics, and run through the ops at T = 1 only so that nothing divides by zero.
+    greedy = temp == 0
+    temp = torch.where(greedy, torch.ones_like(temp), temp)
+
+    with Dump(training_path) as tr:
+        nt, vocab = tr.require_logits()
+        if nt != n:
+            raise tr.err("logits", f"{nt} rows but the mask file {masks_path} has {n} rows")
+        mv = mask.metadata.get("vocab_size")
+        if mv is not None and int(mv) != vocab:
+            raise tr.err("logits", f"vocab size {vocab} does not match the mask file's {int(mv)} ({masks_path})")
+        mask.validate(vocab_size=vocab, source=masks_path)
+        flagged = mask.extras.get("outside_support", torch.zeros(n, dtype=torch.bool)).bool()
+
+        from tqdm import tqdm
+
+        step_rows = chunk_rows or max(1, DEFAULT_CHUNK_BYTES // (vocab * torch.empty(0, dtype=tr.dtype("logits")).element_size()))
+        rep = torch.empty(n, dtype=torch.float32)
+        full = torch.empty(n, dtype=torch.float32)
+        with tqdm(total=n, unit="rows", desc="score", disable=not progress or None, leave=False) as bar, \
+                torch.no_grad():
+            for a in range(0, n, step_rows):
+                b = min(n, a + step_rows)
+                logits = tr.get("logits", a, b)
+                sub = mask.select_rows(a, b)
+                sampled, t = mask.sampled[a:b], temp[a:b]
+                if device != "cpu":
+                    logits, sub, sampled, t = logits.to(device), sub.to(device), sampled.to(device), t.to(device)
+                full[a:b] = _full(mask_replay, tr, logits, sampled, t, a).cpu()
+                rep[a:b] = _replay(mask_replay, logits, sub, sampled, t, flagged[a:b], masks_path, a).cpu()
+                bar.update(b - a)
+
+    rollout = mask.logprobs.double().numpy()
+    keep = np.isfinite(rollout) & ~flagged.numpy()
+    if bool(greedy.any()):
+        notes.append(f"{int(greedy.sum())} greedy rows (temperature 0) left out of the metrics")
+        keep &= ~greedy.numpy()
+    if not (keep | greedy.numpy()).all():
+        notes.append(f"{int((~keep & ~greedy.numpy()).sum())} rows without a finite rollout log-prob (sampled outside "
+                     "their support) left out of the metrics")
+    kept = mask.kept_mass
+    if kept is None:
+        notes.append("no 'kept_mass' in the mask file: kept_mass_mean is computed on the training logits")
+        kept = _training_kept_mass(mask_replay, training_path, mask, temp, step_rows)
+    pick = lambda x: None if x is None else x.numpy()[keep]  # noqa: E731
+    step, seq = pick(mask.extras.get("step")), pick(mask.extras.get("sequence"))
+    rollout, r, f = rollout[keep], rep.double().numpy()[keep], full.double().numpy()[keep]
+    report = build_report(rollout, r, f, kept.double().numpy()[keep], step, seq)
+    return ScoreResult(report, rollout, r, f, step, notes)
+
+
+def _full(mask_replay, tr, logits, sampled, t, row0):
+    """Full-vocabulary log-probs; the pass over the logits doubles as the NaN/+inf check: a bad row
+    makes its log-sum-exp non-finite, and only such rows are examined (and named)."""
+    try:
+        logp = mask_replay.full_logprobs(logits, sampled, t)
+    except RuntimeError:
+        check_finite(tr, logits.cpu(), row0)
+        raise
+    for r in torch.nonzero(~torch.isfinite(logp)).flatten().tolist():
+        check_finite(tr, logits[r: r + 1].cpu(), row0 + r)
+    return logp
+
+
+def _replay(mask_replay, logits, sub, sampled, t, flagged, masks_path, row0):
+    try:
+        if bool(flagged.any()):
+            # rows capture flagged as outside their support are left out of the metrics; let the op
+            # fall back there, but a fallback on any other row is still a broken mask file
+            logp, status = mask_replay.replay_logprobs(logits, sub, sampled, t, fallback=True, return_status=True)
+            bad = torch.nonzero((status.cpu() != 0) & ~flagged)
+            if bad.numel():
+                r = int(bad[0])
+                raise DumpError(f"{masks_path}: key 'sampled': token {int(sampled[r])} is outside the "
+                                f"recorded support of row {row0 + r}")
+            return logp
+        return mask_replay.replay_logprobs(logits, sub, sampled, t)
+    except (RuntimeError, ValueError) as exc:
+        if isinstance(exc, DumpError):
+            raise
+        raise DumpError(f"{masks_path}: key 'sampled': {shift_row(str(exc), row0)}") from exc
+
+
+def _training_kept_mass(mask_replay, training_path, mask, temp, step_rows):
+    out = torch.empty(mask.num_rows)
+    with Dump(training_path) as tr, torch.no_grad():
+        for a in range(0, mask.num_rows, step_rows):
+            b = min(mask.num_rows, a + step_rows)
+            out[a:b] = mask_replay.kept_mass(tr.get("logits", a, b), mask.select_rows(a, b), temp[a:b])
+    return out
