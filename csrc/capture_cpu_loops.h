@@ -113,6 +113,16 @@ inline LoadResult load_row(const T* z, int64_t v, float temp, float* x) {
   return r;
 }
 
+// buf[i] = det_exp(buf[i] - m) in place (the full-row logsumexp of the replay ops).
+inline void exp_shifted_inplace(float* buf, int64_t n, float m) {
+  int64_t i = 0;
+#if MR_CPU_AVX2
+  const __m256 m8 = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, det_exp8(_mm256_sub_ps(_mm256_loadu_ps(buf + i), m8)));
+#endif
+  for (; i < n; ++i) buf[i] = det_exp(mr_add(buf[i], -m));
+}
+
 // Exact fixed-point masses (kernel_math.h) of all entries and of the entries with x >= cut[j],
 // for a few cut-offs at once: cut[0] is the survivors' threshold, the others let top-p start its
 // filtering scan at the highest cut-off that already holds a mass of p * Z.

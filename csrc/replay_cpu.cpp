@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 
+#include "capture_cpu_loops.h"
 #include "replay_checks.h"
 #include "replay_math.h"
 
@@ -45,7 +46,11 @@ double full_row_lse(const T* row, int64_t s1, int64_t vocab, A t) {
     for (int64_t i = 0; i < n; ++i) nan |= buf[i] != buf[i];
     if (cm == neg_inf<A>()) continue;
     if (cm > static_cast<A>(kMaxFinite)) pinf = true;
-    for (int64_t i = 0; i < n; ++i) buf[i] = exp_nonpos(static_cast<A>(buf[i] - cm));
+    if constexpr (std::is_same_v<A, float>) {
+      cpu::exp_shifted_inplace(buf, n, cm);  // AVX2 det_exp: the same bits as exp_nonpos
+    } else {
+      for (int64_t i = 0; i < n; ++i) buf[i] = exp_nonpos(static_cast<A>(buf[i] - cm));
+    }
     double acc[4] = {0.0, 0.0, 0.0, 0.0};  // fixed order: the result does not depend on threads
     int64_t i = 0;
     for (; i + 4 <= n; i += 4)

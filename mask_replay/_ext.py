@@ -11,6 +11,9 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
 
 ops = torch.ops.mask_replay
 
+# Fake kernels and autograd registrations ride along with the ops, whoever loads them first.
+from mask_replay import _fake, replay  # noqa: E402,F401
+
 
 def build_info() -> dict:
     """Which kernels were compiled: {'cpu': True, 'cuda': bool, 'cuda_arch_list': str, ...}."""

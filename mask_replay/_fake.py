@@ -1,7 +1,7 @@
 """Fake (meta) kernels of the capture ops, so torch.compile can trace them without running them."""
 import torch
 
-from mask_replay import _ext  # noqa: F401  (registers the op schemas)
+from mask_replay import _C  # noqa: F401  (registers the op schemas)
 
 
 @torch.library.register_fake("mask_replay::capture")

@@ -7,6 +7,8 @@ from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import the references as plain modules
 
+import mask_replay._ext  # noqa: E402,F401  (registers torch.ops.mask_replay for tests that use it directly)
+
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
