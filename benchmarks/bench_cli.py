@@ -9,7 +9,7 @@ see the same page cache:
   capture  the library code of `mask-replay capture` (read + capture kernel + write);
   score    the library code of `mask-replay score` on the same file as training dump
            (read + replay + full log-prob), after the capture.
-Target: capture and score within 2x of read. Record the output in docs/bench_cli.md.
+Target: capture and score within 2x of read. Record the output in docs/benchmarks.md.
 """
 from __future__ import annotations
 

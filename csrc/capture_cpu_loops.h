@@ -123,6 +123,26 @@ inline void exp_shifted_inplace(float* buf, int64_t n, float m) {
   for (; i < n; ++i) buf[i] = det_exp(mr_add(buf[i], -m));
 }
 
+// sum over i of det_exp(x[i] - m), accumulated in double (the full-row logsumexp of replay).
+inline double sum_exp_shifted(const float* x, int64_t n, float m) {
+  double total = 0.0;
+  int64_t i = 0;
+#if MR_CPU_AVX2
+  const __m256 m8 = _mm256_set1_ps(m);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = det_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m8));
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double t[4];
+  _mm256_store_pd(t, _mm256_add_pd(lo, hi));
+  total = (t[0] + t[1]) + (t[2] + t[3]);
+#endif
+  for (; i < n; ++i) total += static_cast<double>(det_exp(mr_add(x[i], -m)));
+  return total;
+}
+
 // Exact fixed-point masses (kernel_math.h) of all entries and of the entries with x >= cut[j],
 // for a few cut-offs at once: cut[0] is the survivors' threshold, the others let top-p start its
 // filtering scan at the highest cut-off that already holds a mass of p * Z.

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "capture_cpu_loops.h"
 #include "replay_checks.h"
@@ -29,6 +31,19 @@ A logit(const T* row, int64_t s1, int64_t j, A t) {
 // max taken, then its exps summed; exp_nonpos is branch free, so that loop vectorises.
 template <class T, class A>
 double full_row_lse(const T* row, int64_t s1, int64_t vocab, A t) {
+  if constexpr (std::is_same_v<A, float> && !std::is_same_v<T, double>) {
+    if (s1 == 1) {
+      // Fast path (contiguous fp32/bf16/fp16 rows): the capture kernel's vectorised load and
+      // exp. Rows with NaN/+inf take the general loop below, which decides what they return.
+      static thread_local std::vector<float> x;
+      x.resize(vocab);
+      const cpu::LoadResult lr = cpu::load_row(row, vocab, t, x.data());
+      if (lr.bad_code == 0) {
+        if (lr.max == neg_inf<float>()) return -std::numeric_limits<double>::infinity();
+        return lse_value(lr.max, cpu::sum_exp_shifted(x.data(), vocab, lr.max));
+      }
+    }
+  }
   A m = neg_inf<A>();
   double s = 0.0;
   bool nan = false, pinf = false;

@@ -24,6 +24,10 @@ def atomic_output(path):
     os.close(fd)
     try:
         yield tmp
+        # mkstemp creates 0600; give the result the permissions a plain open() would have
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

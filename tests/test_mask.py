@@ -51,6 +51,9 @@ def test_save_load_round_trip(tmp_path):
     assert back == m
     assert back.metadata["source"] == "unit-test" and back.metadata["semantics"].startswith("mask-replay/")
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]  # no temp file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
 
 
 def test_select_rows_and_concat():
