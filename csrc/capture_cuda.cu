@@ -84,7 +84,10 @@ struct alignas(16) RowState {
   int greedy, topk_on, topp_on;
   float m;                    // max of finite x
   unsigned int cand_count;    // entries appended to the candidate buffer (atomicAdd)
-  int cand_state;             // kCand* below
+  // kCand* below, one per filter ([0] top-k, [1] top-p; they share the buffer, top-k first).
+  // Separate so that no pass resets the other's: in a buffered pass block 0 decides alone while
+  // the row's other blocks may still be reading the state to find out that they have no work.
+  int cand_state[2];
 };
 
 // Once the current bucket holds at most cand_cap entries, the next pass copies them (key, mass)
@@ -213,7 +216,8 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
   st->total_mass = 0;
   st->kneed = k;
   st->cand_count = 0;
-  st->cand_state = kCandNone;
+  st->cand_state[0] = kCandNone;
+  st->cand_state[1] = kCandNone;
   if (status != kOk || greedy) return;
   const float m = key_value(atomicMax(&st->max_key, 0u));
   st->m = m;
@@ -229,14 +233,14 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
 
 // Candidate-buffer state after a pass chose a bucket of `in_bucket` entries. Collecting pays only
 // when a later pass reads the buffer, so it starts at pass 1 or 2. False if a collection overran.
-__device__ bool advance_candidates(RowState* st, int cstate, int pass, unsigned int in_bucket,
+__device__ bool advance_candidates(RowState* st, int which, int cstate, int pass, unsigned int in_bucket,
                                    int64_t cap) {
   if (cstate == kCandCollect) {
     if (atomicAdd(&st->cand_count, 0u) > cap) return false;
-    st->cand_state = kCandReady;
+    st->cand_state[which] = kCandReady;
   } else if (cstate == kCandNone && pass <= 1 && in_bucket <= cap) {
     st->cand_count = 0;
-    st->cand_state = kCandCollect;
+    st->cand_state[which] = kCandCollect;
   }
   return true;
 }
@@ -281,7 +285,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
   const bool logz_here = !TOPP && pass == 0 && want_logz;
   const bool on = TOPP ? st->topp_on != 0 : st->topk_on != 0;
   if (!on && !logz_here) return;
-  const int cstate = on ? st->cand_state : kCandNone;
+  const int cstate = on ? st->cand_state[TOPP ? 1 : 0] : kCandNone;
   const bool buffered = cstate == kCandReady;
   if (buffered && sl.block != 0) return;  // the buffer is small: one block reads it and decides
 
@@ -380,7 +384,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     }
     int64_t need = st->kneed;
     const int d = select_topk_digit(s_count, need);
-    if (d < 0 || !advance_candidates(st, cstate, pass, s_count[d], g.cand_cap)) {
+    if (d < 0 || !advance_candidates(st, 0, cstate, pass, s_count[d], g.cand_cap)) {
       st->status = kInternal;
       status_out[sl.row] = kInternal;
       st->topk_on = 0;
@@ -391,8 +395,10 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     st->prefix_k = pre;
     if (pass == 3) {
       st->k1 = pre;
+      // No reset of the candidate state here: in a buffered pass the row's other blocks may be
+      // reading topk_on and the state right now, and a stale topk_on next to a reset state sent
+      // them into a full-row pass whose histogram and done count no block ever cleared.
       st->topk_on = 0;
-      st->cand_state = kCandNone;  // top-p collects its own candidates
     }
   } else {
     if (pass == 0) {
@@ -402,7 +408,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     }
     int64_t above = st->mass_above;
     const int d = select_topp_digit(s_count, s_mass, above, top_p[sl.row], st->total_mass);
-    if (d < 0 || !advance_candidates(st, cstate, pass, s_count[d], g.cand_cap)) {
+    if (d < 0 || !advance_candidates(st, 1, cstate, pass, s_count[d], g.cand_cap)) {
       st->status = kInternal;
       status_out[sl.row] = kInternal;
       st->topp_on = 0;

@@ -44,7 +44,11 @@ MR_HD void lse_push(A& m, double& s, A x) {
   if (x > m) {
     s = s * static_cast<double>(exp_nonpos(static_cast<A>(m - x))) + 1.0;
     m = x;
-  } else if (!(x == neg_inf<A>())) {  // NaN falls through here and poisons s, as it should
+  } else if (x != x) {
+    // NaN poisons s, as it should. Said explicitly: det_exp maps NaN to 0, so for float it would
+    // otherwise vanish, and the CUDA full-row lse would then disagree with the CPU's (NaN).
+    s = static_cast<double>(x);
+  } else if (!(x == neg_inf<A>())) {
     s += static_cast<double>(exp_nonpos(static_cast<A>(x - m)));
   }
 }
