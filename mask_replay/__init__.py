@@ -1,36 +1,29 @@
 """mask-replay: record the support of truncated sampling and replay it in the trainer.
 
-The public names load on first use (PEP 562), so `mask-replay --help` and other torch-free
-paths do not pay for importing torch and the extension.
+Importing the package loads the extension, so `torch.ops.mask_replay.*` is available at once.
 """
-import importlib
-
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "build_info": "mask_replay._ext",
-    "SamplingMask": "mask_replay.mask",
-    "MaskFormatError": "mask_replay.mask",
-    "capture": "mask_replay.capture_api",
-    "capture_fixed": "mask_replay.capture_api",
-    "OutsideSupportError": "mask_replay.capture_api",
-    "replay_logprobs": "mask_replay.replay",
-    "replay_logprobs_from_hidden": "mask_replay.replay",
-    "full_logprobs": "mask_replay.replay",
-    "kept_mass": "mask_replay.replay",
-}
+from mask_replay._ext import build_info  # noqa: E402  (registers ops, fake kernels, autograd)
+from mask_replay.capture_api import OutsideSupportError, capture, capture_fixed  # noqa: E402
+from mask_replay.mask import MaskFormatError, SamplingMask  # noqa: E402
+from mask_replay.replay import (  # noqa: E402
+    full_logprobs,
+    kept_mass,
+    replay_logprobs,
+    replay_logprobs_from_hidden,
+)
 
-__all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mask_replay' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(__all__)
+__all__ = [
+    "__version__",
+    "build_info",
+    "SamplingMask",
+    "MaskFormatError",
+    "OutsideSupportError",
+    "capture",
+    "capture_fixed",
+    "replay_logprobs",
+    "replay_logprobs_from_hidden",
+    "full_logprobs",
+    "kept_mass",
+]

@@ -470,3 +470,19 @@ def test_property_hidden_matches_reference(n, v, d, seed, dtype, with_bias, outs
     fell_back = (status != 0).any()
     if not fell_back:  # only rows of some support get a weight gradient
         assert (ours[1][~used] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nan_logits_poison_exactly_the_rows_that_read_them(dtype):
+    # NaN inside a row's support poisons replay; anywhere in the row poisons the full-vocabulary
+    # ops (they read the whole row); other rows are untouched.
+    x = torch.randn(3, 10)
+    x[1, 2] = float("nan")  # inside row 1's support
+    x[2, 7] = float("nan")  # outside row 2's support
+    x = x.to(dtype)
+    m = mr.SamplingMask.from_lists([[0, 1], [2, 3], [4, 5]])
+    s = torch.tensor([0, 3, 4])
+    rep = mr.replay_logprobs(x, m, s)
+    assert torch.isnan(rep).tolist() == [False, True, False]
+    assert torch.isnan(mr.full_logprobs(x, s)).tolist() == [False, True, True]
+    assert torch.isnan(mr.kept_mass(x, m)).tolist() == [False, True, True]
