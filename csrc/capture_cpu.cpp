@@ -177,12 +177,19 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   const bool use_top_p = top_p_active(prm.top_p);
   const int64_t k = prm.top_k;
 
+  // One pass of exact masses when top-p needs the survivors' total (or logz the row's). Cut-offs:
+  // [min-p threshold,] then levels below the max (x units; exp(-16) ~ 1e-7 of the max's mass)
+  // from which top-p may start its scan.
+  const bool top_p_alone = use_top_p && k <= 0;
+  const bool with_min_p = min_p_active(prm.min_p);
+  float cut[kCuts];
+  int ncut = 0;
+  if (with_min_p && top_p_alone) cut[ncut++] = thr;
+  const int first_level = ncut;
+  if (top_p_alone)
+    for (float below : {2.0f, 6.0f, 16.0f}) cut[ncut++] = std::max(thr, mr_add(m, -below));
   MassSums sums;
-  // Cut-offs below the max for the top-p start (x units; exp(-16) ~ 1e-7 of the max's mass).
-  const float cut[kCuts] = {thr, std::max(thr, mr_add(m, -1.0f)), std::max(thr, mr_add(m, -3.0f)),
-                            std::max(thr, mr_add(m, -7.0f)), std::max(thr, mr_add(m, -16.0f))};
-  const bool need_sums = want_logz || (use_top_p && k <= 0);
-  if (need_sums) sums = mass_sums(x, v, m, cut);
+  if (want_logz || top_p_alone) sums = mass_sums(x, v, m, cut, ncut);
   if (want_logz) res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(sums.all) / kMassScaleD));
 
   constexpr size_t kNoLimit = ~size_t(0) >> 1;
@@ -206,21 +213,21 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
                                            s.ma, s.kb, s.mb));
     }
   } else if (use_top_p) {
-    const int64_t total = sums.above[0];
-    // Entries below a cut-off whose upper part already holds p * Z have at least that much mass
-    // strictly above them: none of them can be kept, so the scan starts at the highest such cut.
-    float start = thr;
-    for (int j = 1; j < kCuts; ++j) {
-      if (!below_top_p(sums.above[j], prm.top_p, total)) {
-        start = cut[j];
-        break;
-      }
-    }
+    const int64_t total = with_min_p ? sums.above[0] : sums.all;  // -inf entries have no mass
     auto raise = [&](Scratch& sc) {
       gather_masses(x, m, sc.cand, sc.mass, nullptr);
       return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma,
                                  sc.kb, sc.mb);
     };
+    // Entries below a cut-off whose upper part already holds p * Z have at least that much mass
+    // strictly above them: none of them can be kept, so the scan starts at the highest such cut.
+    float start = thr;
+    for (int j = first_level; j < ncut; ++j) {
+      if (!below_top_p(sums.above[j], prm.top_p, total)) {
+        start = cut[j];
+        break;
+      }
+    }
     // Every mass is at most the max's (1.0 in these units), so the support holds at least
     // p * total / 2^40 tokens: past the filter's limit, go straight to the histogram.
     const bool wide = prm.top_p * (static_cast<double>(total) / kMassScaleD) > 4096.0;

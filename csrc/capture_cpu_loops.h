@@ -144,62 +144,68 @@ inline double sum_exp_shifted(const float* x, int64_t n, float m) {
 }
 
 // Exact fixed-point masses (kernel_math.h) of all entries and of the entries with x >= cut[j],
-// for a few cut-offs at once: cut[0] is the survivors' threshold, the others let top-p start its
-// filtering scan at the highest cut-off that already holds a mass of p * Z.
-constexpr int kCuts = 5;
+// for up to kCuts cut-offs (the survivors' threshold, and levels below the max from which top-p
+// may start its scan). The all-entries sum is vectorised; entries at or above the lowest cut-off
+// are rare in LLM rows (a few tokens within 16 nats of the max), so they are added lane by lane.
+constexpr int kCuts = 4;
 struct MassSums {
   int64_t all = 0;
-  int64_t above[kCuts] = {0, 0, 0, 0, 0};
+  int64_t above[kCuts] = {0, 0, 0, 0};
 };
 
-inline MassSums mass_sums(const float* x, int64_t v, float m, const float* cut) {
+inline MassSums mass_sums(const float* x, int64_t v, float m, const float* cut, int ncut) {
   MassSums s;
+  float low = -kNegInf;
+  for (int j = 0; j < ncut; ++j) low = std::min(low, cut[j]);
+  auto add_levels = [&](float xi, int64_t q) {
+    for (int j = 0; j < ncut; ++j)
+      if (xi >= cut[j]) s.above[j] += q;
+  };
   int64_t i = 0;
 #if MR_CPU_AVX2
-  const __m256 m8 = _mm256_set1_ps(m);
+  const __m256 m8 = _mm256_set1_ps(m), low8 = _mm256_set1_ps(low);
   const __m256 scale = _mm256_set1_ps(kMassScale);
-  __m256d cut4[kCuts];
-  for (int j = 0; j < kCuts; ++j) cut4[j] = _mm256_set1_pd(static_cast<double>(cut[j]));
   // Lane sums of integers below 2^40 stay exact in double for 4096 steps; flush before that.
   constexpr int64_t kFlush = 4096;
   alignas(32) double t[4];
+  alignas(32) float qs[8];
   while (i + 8 <= v) {
     __m256d all_lo = _mm256_setzero_pd(), all_hi = _mm256_setzero_pd();
-    __m256d lo[kCuts], hi[kCuts];
-    for (int j = 0; j < kCuts; ++j) lo[j] = hi[j] = _mm256_setzero_pd();
     const int64_t stop = std::min<int64_t>(v - 7, i + 8 * kFlush);
-    for (; i < stop; i += 8) {
-      const __m256 x8 = _mm256_loadu_ps(x + i);
+    const int mode = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
+    auto step = [&](int64_t at, __m256d& lo, __m256d& hi) {
+      const __m256 x8 = _mm256_loadu_ps(x + at);
       const __m256 q = _mm256_mul_ps(det_exp8(_mm256_sub_ps(x8, m8)), scale);
-      const int mode = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
-      const __m256d q_lo = _mm256_round_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(q)), mode);
-      const __m256d q_hi = _mm256_round_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)), mode);
-      const __m256d x_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x8));  // exact: compares as floats
-      const __m256d x_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x8, 1));
-      all_lo = _mm256_add_pd(all_lo, q_lo);
-      all_hi = _mm256_add_pd(all_hi, q_hi);
-      for (int j = 0; j < kCuts; ++j) {
-        lo[j] = _mm256_add_pd(lo[j], _mm256_and_pd(q_lo, _mm256_cmp_pd(x_lo, cut4[j], _CMP_GE_OQ)));
-        hi[j] = _mm256_add_pd(hi[j], _mm256_and_pd(q_hi, _mm256_cmp_pd(x_hi, cut4[j], _CMP_GE_OQ)));
+      lo = _mm256_add_pd(lo, _mm256_round_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(q)), mode));
+      hi = _mm256_add_pd(hi, _mm256_round_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)), mode));
+      unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x8, low8, _CMP_GE_OQ)));
+      if (!bits) return;
+      _mm256_store_ps(qs, q);
+      while (bits) {
+        const int j = __builtin_ctz(bits);
+        bits &= bits - 1;
+        add_levels(x[at + j], static_cast<int64_t>(qs[j]));  // truncation = the floor above
       }
-    }
-    auto flush = [&](__m256d acc, int64_t& into) {
-      _mm256_store_pd(t, acc);
-      for (double d : t) into += static_cast<int64_t>(d);
     };
-    flush(all_lo, s.all);
-    flush(all_hi, s.all);
-    for (int j = 0; j < kCuts; ++j) {
-      flush(lo[j], s.above[j]);
-      flush(hi[j], s.above[j]);
+    // Two independent exp chains per iteration: the polynomial is latency bound.
+    __m256d lo2 = _mm256_setzero_pd(), hi2 = _mm256_setzero_pd();
+    for (; i + 8 < stop; i += 16) {
+      step(i, all_lo, all_hi);
+      step(i + 8, lo2, hi2);
     }
+    for (; i < stop; i += 8) step(i, all_lo, all_hi);
+    all_lo = _mm256_add_pd(all_lo, lo2);  // exact: integers below 2^53
+    all_hi = _mm256_add_pd(all_hi, hi2);
+    _mm256_store_pd(t, all_lo);
+    for (double d : t) s.all += static_cast<int64_t>(d);
+    _mm256_store_pd(t, all_hi);
+    for (double d : t) s.all += static_cast<int64_t>(d);
   }
 #endif
   for (; i < v; ++i) {
     const int64_t q = mass_q(det_exp(mr_add(x[i], -m)));
     s.all += q;
-    for (int j = 0; j < kCuts; ++j)
-      if (x[i] >= cut[j]) s.above[j] += q;
+    add_levels(x[i], q);
   }
   return s;
 }
