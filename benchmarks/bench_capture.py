@@ -2,7 +2,7 @@
 
     python benchmarks/bench_capture.py [--reps 15] [--dist llm|flat] [--shapes 64x151936,...]
 
-Prints medians (ms) and ratios. The logits are LLM-like by default (a few strong candidates over a
+Prints medians (ms, all functions of a row run round-robin) and ratios. The logits are LLM-like by default (a few strong candidates over a
 long Gaussian tail, as LM heads produce: supports of a few to a few hundred tokens); --dist flat
 uses N(0, 1) rows, a worst case where top-p keeps most of the vocabulary.
 """
@@ -46,14 +46,18 @@ def sort_based_top_k(x, k):
     return torch.zeros_like(keep).scatter_(1, idx, keep)
 
 
-def median_ms(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def median_ms(fns, reps):
+    """Median time (ms) of each function, run round-robin so that machine noise and cache state
+    fall on all of them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def main():
@@ -74,14 +78,14 @@ def main():
             dtype = getattr(torch, dname)
             x = llm_logits(n, v, dtype) if args.dist == "llm" else torch.randn(n, v).to(dtype)
             for mode, kw in (("top_p.95", {"top_p": 0.95}), ("top_k50", {"top_k": 50})):
-                cap = median_ms(lambda: mask_replay.capture(x, **kw), args.reps)
-                sm = median_ms(lambda: torch.softmax(x, dim=-1), args.reps)
+                fns = {"capture": lambda: mask_replay.capture(x, **kw), "softmax": lambda: torch.softmax(x, dim=-1)}
                 if "top_p" in kw:
-                    srt = median_ms(lambda: sort_based_top_p(x, 0.95), max(3, args.reps // 3))
-                    tk = float("nan")
+                    fns["sort"] = lambda: sort_based_top_p(x, 0.95)
                 else:
-                    srt = median_ms(lambda: sort_based_top_k(x, 50), max(3, args.reps // 3))
-                    tk = median_ms(lambda: torch.topk(x, 50, dim=-1), args.reps)
+                    fns["sort"] = lambda: sort_based_top_k(x, 50)
+                    fns["topk"] = lambda: torch.topk(x, 50, dim=-1)
+                t = median_ms(fns, args.reps)
+                cap, sm, srt, tk = t["capture"], t["softmax"], t["sort"], t.get("topk", float("nan"))
                 k = mask_replay.capture(x, **kw).lengths().float().mean().item()
                 print(f"{f'[{n},{v}]':>14} {dname:>8} {mode:>9} {cap:9.3f} {srt:10.3f} {sm:9.3f} {tk:8.3f}"
                       f" {srt / cap:8.1f} {cap / sm:9.2f} {cap / tk if tk == tk else float('nan'):7.2f} {k:8.1f}")
