@@ -44,16 +44,16 @@ inline __m256 det_exp8(__m256 d) {
   const __m256 n = _mm256_add_ps(
       _mm256_add_ps(_mm256_mul_ps(d, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(12582912.0f)),
       _mm256_set1_ps(-12582912.0f));
-  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(d, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f)));
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f),
+                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), d));
   __m256 p = _mm256_set1_ps(1.98412698412698413e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.38888888888888889e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.33333333333333333e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.16666666666666667e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.66666666666666667e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.38888888888888889e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333333333333e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666666666666667e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666666666666667e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
   return _mm256_and_ps(e, _mm256_cmp_ps(d, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));

@@ -2,6 +2,7 @@
 // lives here, written with explicitly rounded operations, so both devices take the same decision
 // bit for bit (the host build uses -ffp-contract=off, the device build --fmad=false).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -42,6 +43,16 @@ MR_HD float mr_div(float a, float b) {
 #endif
 }
 
+// Fused multiply-add is correctly rounded by IEEE 754 on every device (one rounding), so it
+// keeps host and device bit-identical while shortening the dependency chains.
+MR_HD float mr_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
 MR_HD uint32_t float_bits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
@@ -72,24 +83,25 @@ MR_HD float key_value(uint32_t k) {
 }
 
 // exp(d) for d <= 0 with Cody-Waite reduction and a degree-7 polynomial, built only from
-// correctly rounded adds and multiplies so host and device agree exactly. About 2 ulp.
+// correctly rounded adds, multiplies and fused multiply-adds so host and device agree exactly.
+// About 1 ulp.
 MR_HD float det_exp(float d) {
   if (!(d > -87.0f)) return 0.0f;  // also -inf; results below 2^-125 do not matter to any mass
   const float kLog2e = 1.44269504088896341f;
   const float kLn2Hi = 0.693145751953125f;       // 12 significant bits: n * kLn2Hi is exact
   const float kLn2Lo = 1.42860682030941723212e-6f;
   const float kRound = 12582912.0f;              // 1.5 * 2^23: adding it rounds to an integer
-  float n = mr_add(mr_add(mr_mul(d, kLog2e), kRound), -kRound);
-  float r = mr_add(mr_add(d, -mr_mul(n, kLn2Hi)), -mr_mul(n, kLn2Lo));
+  const float n = mr_add(mr_add(mr_mul(d, kLog2e), kRound), -kRound);
+  const float r = mr_fma(-n, kLn2Lo, mr_fma(-n, kLn2Hi, d));
   float p = 1.98412698412698413e-4f;             // 1/5040
-  p = mr_add(mr_mul(p, r), 1.38888888888888889e-3f);
-  p = mr_add(mr_mul(p, r), 8.33333333333333333e-3f);
-  p = mr_add(mr_mul(p, r), 4.16666666666666667e-2f);
-  p = mr_add(mr_mul(p, r), 1.66666666666666667e-1f);
-  p = mr_add(mr_mul(p, r), 0.5f);
-  p = mr_add(mr_mul(p, r), 1.0f);
-  p = mr_add(mr_mul(p, r), 1.0f);
-  int ni = static_cast<int>(n);                  // in [-126, 0]
+  p = mr_fma(p, r, 1.38888888888888889e-3f);
+  p = mr_fma(p, r, 8.33333333333333333e-3f);
+  p = mr_fma(p, r, 4.16666666666666667e-2f);
+  p = mr_fma(p, r, 1.66666666666666667e-1f);
+  p = mr_fma(p, r, 0.5f);
+  p = mr_fma(p, r, 1.0f);
+  p = mr_fma(p, r, 1.0f);
+  const int ni = static_cast<int>(n);            // in [-126, 0]
   return mr_mul(p, bits_float(static_cast<uint32_t>(ni + 127) << 23));
 }
 
