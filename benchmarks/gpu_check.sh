@@ -11,6 +11,7 @@ LOG=${OUT:-/tmp}/gpu_check.log
     $PY setup.py -q build_ext --inplace || exit 1
   PYTHONPATH=. $PY -c "import mask_replay; print(mask_replay.build_info())"
   HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONPATH=. timeout 360 \
-    $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_capture_cuda.py -x -q
-  PYTHONPATH=. timeout 180 $PY benchmarks/bench_capture_cuda.py --iters 100
+    $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_capture_cuda.py tests/test_replay.py -q
+  PYTHONPATH=. timeout 150 $PY benchmarks/bench_capture_cuda.py --iters 100
+  PYTHONPATH=. timeout 120 $PY benchmarks/bench_replay.py --device cuda
 } 2>&1 | tee "$LOG"
