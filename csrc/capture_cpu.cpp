@@ -94,6 +94,12 @@ bool filter_row(const float* x, int64_t v, float tau, size_t cap, size_t limit, 
   return true;
 }
 
+// Every index with x >= tau, in order (no capacity limit, no compaction).
+void collect_at_least(const float* x, int64_t v, float tau, Scratch& s) {
+  s.cand.clear();
+  scan_at_least(x, 0, v, tau, s.cand, ~size_t(0) >> 1);
+}
+
 // Support by one coarse histogram pass: the k-th largest (k > 0) or the top-p threshold
 // (k == 0) over survivors x >= thr. The bin holding the threshold is resolved on its own
 // elements; the elements of higher bins are kept without further work.
@@ -104,9 +110,8 @@ void select_by_histogram(const float* x, int64_t v, float m, float thr, int64_t 
   histogram_row(x, v, m, thr, s.hist_count.data(), k > 0 ? nullptr : s.hist_mass.data());
   int64_t survivors = 0;
   for (int b = 0; b < kHistBins; ++b) survivors += s.hist_count[b];
-  constexpr size_t kNoLimit = ~size_t(0) >> 1;
   if (k > 0 && k >= survivors) {
-    filter_row(x, v, thr, kNoLimit, kNoLimit, s, [](Scratch&) { return 0u; });
+    collect_at_least(x, v, thr, s);
     return;
   }
   int chosen = kHistBins - 1;
@@ -125,8 +130,7 @@ void select_by_histogram(const float* x, int64_t v, float m, float thr, int64_t 
     }
   }
   const uint64_t lo = uint64_t(chosen) << (32 - kHistBits), hi = lo + (uint64_t(1) << (32 - kHistBits));
-  filter_row(x, v, std::max(thr, key_value(static_cast<uint32_t>(lo))), kNoLimit, kNoLimit, s,
-             [](Scratch&) { return 0u; });
+  collect_at_least(x, v, std::max(thr, key_value(static_cast<uint32_t>(lo))), s);
   gather_keys(x, s.cand, s.keys);
   s.bin_idx.clear();
   s.bin_keys.clear();
@@ -173,7 +177,8 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   if (lr.max == kNegInf) return RowOutcome{4, -1};
   const float* x = in_place ? reinterpret_cast<const float*>(z) : s.x.data();
   const float m = lr.max;
-  const float thr = min_p_active(prm.min_p) ? mr_add(m, static_cast<float>(std::log(prm.min_p))) : kLowestFinite;
+  const bool with_min_p = min_p_active(prm.min_p);
+  const float thr = with_min_p ? mr_add(m, static_cast<float>(std::log(prm.min_p))) : kLowestFinite;
   const bool use_top_p = top_p_active(prm.top_p);
   const int64_t k = prm.top_k;
 
@@ -181,7 +186,6 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   // [min-p threshold,] then levels below the max (x units; exp(-16) ~ 1e-7 of the max's mass)
   // from which top-p may start its scan.
   const bool top_p_alone = use_top_p && k <= 0;
-  const bool with_min_p = min_p_active(prm.min_p);
   float cut[kCuts];
   int ncut = 0;
   if (with_min_p && top_p_alone) cut[ncut++] = thr;
@@ -192,7 +196,6 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   if (want_logz || top_p_alone) sums = mass_sums(x, v, m, cut, ncut);
   if (want_logz) res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(sums.all) / kMassScaleD));
 
-  constexpr size_t kNoLimit = ~size_t(0) >> 1;
   if (k > 0) {
     const size_t cap = static_cast<size_t>(std::max<int64_t>(1024, 2 * k));
     const bool narrow = filter_row(x, v, thr, cap, std::max<size_t>(8192, 8 * cap), s, [&](Scratch& sc) {
@@ -238,7 +241,7 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
       select_by_histogram(x, v, m, start, 0, prm.top_p, total, s);
     }
   } else {
-    filter_row(x, v, thr, kNoLimit, kNoLimit, s, [](Scratch&) { return 0u; });
+    collect_at_least(x, v, thr, s);
   }
   out.insert(out.end(), s.cand.begin(), s.cand.end());
   return res;
