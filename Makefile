@@ -1,6 +1,7 @@
 # make demo   set up .venv, build, run the replay demo on an embedded synthetic RL run
-# make test   set up .venv, build (CUDA kernels too when a toolkit is present), run the tests
-# CPU_ONLY=1  skip the CUDA sources for fast iteration; FORCE_CUDA=1 fails if they cannot build
+# make test   set up .venv, build (CUDA kernels too when a GPU and a toolkit are present), run the tests
+# CPU_ONLY=1  never compile the CUDA sources; FORCE_CUDA=1 compiles them without a GPU (CI), and
+#             fails if they cannot build
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -1,5 +1,7 @@
 """Build of mask_replay._C: C++ kernels always, CUDA kernels when a toolkit and a CUDA torch exist.
 
+The .cu sources are compiled by default only when torch sees a GPU (and a toolkit exists).
+
 Environment switches:
   MASK_REPLAY_CPU_ONLY=1    never compile the .cu sources (fast iteration)
   MASK_REPLAY_FORCE_CUDA=1  compile them even if torch sees no GPU (CI: compile and link only)
@@ -49,7 +51,9 @@ def _want_cuda():
                 f"torch.version.cuda={torch.version.cuda}"
             )
         return True
-    return have_toolkit and have_cuda_torch
+    # Compiling the .cu files costs ~10 minutes on a small machine: only worth it where they can
+    # run. A machine with a toolkit but no GPU (a laptop, CI) opts in with MASK_REPLAY_FORCE_CUDA.
+    return have_toolkit and have_cuda_torch and torch.cuda.is_available()
 
 
 def _cpu_arch_flags():
@@ -93,7 +97,10 @@ setup(
     name="mask-replay",
     version="0.1.0",
     description="Sampling-distribution replay for RL training of language models",
-    packages=find_packages(include=["mask_replay", "mask_replay.*"]),
+    # The click CLI lives in the top-level cli/ folder and installs as mask_replay.cli (never as a
+    # top-level module named `cli`, which would clash with anything else called so).
+    packages=find_packages(include=["mask_replay", "mask_replay.*"]) + ["mask_replay.cli"],
+    package_dir={"mask_replay.cli": "cli"},
     ext_modules=[] if _flag("MASK_REPLAY_SKIP_EXT") else extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",

@@ -1,6 +1,6 @@
 // Operator schemas of the mask_replay namespace and the Python module that carries them.
 // Kernels register per device in their own files (TORCH_LIBRARY_IMPL); fake kernels and autograd
-// are registered from Python (mask_replay/_fake.py, mask_replay/replay.py).
+// are registered from Python (mask_replay/_register.py).
 #include <torch/extension.h>
 #include <torch/library.h>
 

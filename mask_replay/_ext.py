@@ -1,4 +1,6 @@
-"""Loads the compiled extension, which registers the torch.ops.mask_replay operators."""
+"""Loads the compiled extension, which defines the torch.ops.mask_replay operators.
+
+It only loads: fake kernels and autograd live in _register.py, imported by the package __init__."""
 import torch  # noqa: F401  (the extension links against torch's libraries)
 
 try:
@@ -10,9 +12,6 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
     ) from exc
 
 ops = torch.ops.mask_replay
-
-# Fake kernels and autograd registrations ride along with the ops, whoever loads them first.
-from mask_replay import _fake, replay  # noqa: E402,F401
 
 
 def build_info() -> dict:

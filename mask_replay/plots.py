@@ -17,6 +17,7 @@ def plot_report(report: dict, path, title: str = "rollout vs training log-probs"
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     per_step = report.get("per_step") or {}
     if not per_step:
@@ -37,6 +38,8 @@ def plot_report(report: dict, path, title: str = "rollout vs training log-probs"
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("training step")
+    # steps are integers: no 0.25, 0.5, ... ticks between them (axes share x, one locator is enough)
+    axes[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0, 0].legend(loc="best", fontsize=8)
     fig.suptitle(f"{title} ({report['tokens']} tokens)")
     fig.tight_layout()

@@ -3,8 +3,8 @@
     log pi_K(y) = x_y - logsumexp_{j in K} x_j,   x = logits / T
 
 computed from the |K| gathered logits only (O(nnz), not O(N x V)), with gradients. Every op has a
-fake kernel and its backward is itself a registered op, so torch.compile(fullgraph=True) traces
-forward and backward.
+fake kernel and its backward is itself a registered op (both in _register.py), so
+torch.compile(fullgraph=True) traces forward and backward.
 
 Fallback (``fallback=True``): a row whose sampled token is outside K, or whose K is empty, gets
 the full-vocabulary log-prob instead of an error. ``return_status=True`` then also returns an
@@ -24,10 +24,6 @@ from mask_replay.mask import SamplingMask
 Temperature = Union[float, int, torch.Tensor]
 
 REPLAYED, FELL_BACK_OUTSIDE, FELL_BACK_EMPTY = 0, 1, 2
-
-
-def _out_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _temperature(temperature: Temperature, n: int, device) -> torch.Tensor:
@@ -134,93 +130,3 @@ def kept_mass(logits: torch.Tensor, mask: SamplingMask, temperature: Temperature
     n = logits.shape[0]
     ids, offsets = _mask_tensors(mask, logits.device)
     return ops.kept_mass(logits, ids, offsets, _temperature(temperature, n, logits.device))
-
-
-# ---- fake kernels -----------------------------------------------------------------------------
-@torch.library.register_fake("mask_replay::replay_fwd")
-def _replay_fwd_fake(logits, token_ids, offsets, sampled, temperature, fallback):
-    n = logits.shape[0]
-    out = _out_dtype(logits)
-    return logits.new_empty((n,), dtype=out), logits.new_empty((n,), dtype=out), logits.new_empty((n,), dtype=torch.int8)
-
-
-@torch.library.register_fake("mask_replay::replay_bwd")
-def _replay_bwd_fake(grad, logits, token_ids, offsets, sampled, temperature, lse, status):
-    return logits.new_empty(logits.shape)
-
-
-@torch.library.register_fake("mask_replay::full_fwd")
-def _full_fwd_fake(logits, sampled, temperature):
-    n = logits.shape[0]
-    out = _out_dtype(logits)
-    return logits.new_empty((n,), dtype=out), logits.new_empty((n,), dtype=out)
-
-
-@torch.library.register_fake("mask_replay::full_bwd")
-def _full_bwd_fake(grad, logits, sampled, temperature, lse):
-    return logits.new_empty(logits.shape)
-
-
-@torch.library.register_fake("mask_replay::kept_mass")
-def _kept_mass_fake(logits, token_ids, offsets, temperature):
-    return logits.new_empty((logits.shape[0],), dtype=_out_dtype(logits))
-
-
-@torch.library.register_fake("mask_replay::hidden_fwd")
-def _hidden_fwd_fake(hidden, weight, bias, token_ids, offsets, sampled, temperature, fallback):
-    n = hidden.shape[0]
-    out = _out_dtype(hidden)
-    return hidden.new_empty((n,), dtype=out), hidden.new_empty((n,), dtype=out), hidden.new_empty((n,), dtype=torch.int8)
-
-
-@torch.library.register_fake("mask_replay::hidden_bwd")
-def _hidden_bwd_fake(grad, hidden, weight, bias, token_ids, offsets, sampled, temperature, lse, status):
-    gb = bias.new_empty((weight.shape[0],)) if bias.numel() > 0 else hidden.new_empty((0,))
-    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), gb
-
-
-# ---- autograd: the backward of each op is another registered op --------------------------------
-# lse and status are auxiliary outputs (saved for the backward, never differentiated): their
-# incoming gradients are ignored.
-def _replay_setup(ctx, inputs, output):
-    logits, token_ids, offsets, sampled, temperature, _ = inputs
-    _, lse, status = output
-    ctx.save_for_backward(logits, token_ids, offsets, sampled, temperature, lse, status)
-
-
-def _replay_backward(ctx, grad_logp, _grad_lse, _grad_status):
-    logits, token_ids, offsets, sampled, temperature, lse, status = ctx.saved_tensors
-    g = ops.replay_bwd(grad_logp.contiguous(), logits, token_ids, offsets, sampled, temperature, lse, status)
-    return g, None, None, None, None, None
-
-
-torch.library.register_autograd("mask_replay::replay_fwd", _replay_backward, setup_context=_replay_setup)
-
-
-def _full_setup(ctx, inputs, output):
-    logits, sampled, temperature = inputs
-    ctx.save_for_backward(logits, sampled, temperature, output[1])
-
-
-def _full_backward(ctx, grad_logp, _grad_lse):
-    logits, sampled, temperature, lse = ctx.saved_tensors
-    return ops.full_bwd(grad_logp.contiguous(), logits, sampled, temperature, lse), None, None
-
-
-torch.library.register_autograd("mask_replay::full_fwd", _full_backward, setup_context=_full_setup)
-
-
-def _hidden_setup(ctx, inputs, output):
-    hidden, weight, bias, token_ids, offsets, sampled, temperature, _ = inputs
-    _, lse, status = output
-    ctx.save_for_backward(hidden, weight, bias, token_ids, offsets, sampled, temperature, lse, status)
-
-
-def _hidden_backward(ctx, grad_logp, _grad_lse, _grad_status):
-    hidden, weight, bias, token_ids, offsets, sampled, temperature, lse, status = ctx.saved_tensors
-    gh, gw, gb = ops.hidden_bwd(grad_logp.contiguous(), hidden, weight, bias, token_ids, offsets, sampled,
-                                temperature, lse, status)
-    return gh, gw, (gb if bias.numel() > 0 else None), None, None, None, None, None
-
-
-torch.library.register_autograd("mask_replay::hidden_fwd", _hidden_backward, setup_context=_hidden_setup)

@@ -10,14 +10,16 @@ from mask_replay.cli.common import CONTEXT, CliError, check_device, console, fmt
               help="Training dump: logits [N, V], same rows in the same order as the rollout.")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the metrics as JSON here.")
 @click.option("--plot", type=click.Path(), default=None, help="Write a PNG of the metrics over steps here.")
+@click.option("--title", default=None, help="Title of the plot (default: the training file's name).")
 @click.option("--chunk-rows", type=click.IntRange(min=1), default=None,
               help="Rows per chunk (default: about 256 MB of logits).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
 @one_line_errors
-def score(masks, training, json_out, plot, chunk_rows, device):
+def score(masks, training, json_out, plot, title, chunk_rows, device):
     """Compare training log-probs with the rollout's, with replay (over the recorded support) and
     without (over the full vocabulary): importance ratios, log-prob differences, KL estimates."""
     import json
+    import os
 
     from mask_replay.io import check_writable, write_text
     from mask_replay.score import score_files
@@ -39,7 +41,7 @@ def score(masks, training, json_out, plot, chunk_rows, device):
     if plot:  # first: it is the one that can still refuse (no steps to plot), before any output
         from mask_replay.plots import plot_report
 
-        plot_report(result.report, plot)
+        plot_report(result.report, plot, title=title or f"rollout vs training log-probs: {os.path.basename(training)}")
     if json_out:
         write_text(json_out, json.dumps(result.report, indent=2) + "\n")
 
