@@ -7,6 +7,7 @@ import click
 from mask_replay import __version__
 from mask_replay.cli.common import CONTEXT
 from mask_replay.cli.capture import capture
+from mask_replay.cli.convert import convert
 from mask_replay.cli.demo import demo
 from mask_replay.cli.info import info
 from mask_replay.cli.inspect import inspect
@@ -26,7 +27,7 @@ def main():
     """
 
 
-for command in (capture, score, inspect, demo, info):
+for command in (capture, score, inspect, demo, info, convert):
     main.add_command(command)
 
 

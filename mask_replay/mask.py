@@ -245,3 +245,31 @@ class SamplingMask:
         if validate:
             mask.validate(source=str(path))
         return mask.to(device) if str(device) != "cpu" else mask
+
+    # ---- engine outputs and padded layouts (mask_replay/adapters) ----------------------------
+    @classmethod
+    def from_vllm(cls, outputs, **kwargs) -> "SamplingMask":
+        """vLLM RequestOutputs / CompletionOutputs or /inference/v1/generate JSON; see adapters.vllm."""
+        from mask_replay.adapters.vllm import from_vllm
+
+        return from_vllm(outputs, **kwargs)
+
+    @classmethod
+    def from_sglang(cls, outputs, **kwargs) -> "SamplingMask":
+        """SGLang /generate responses or its fixed-capacity form; see adapters.sglang."""
+        from mask_replay.adapters.sglang import from_sglang
+
+        return from_sglang(outputs, **kwargs)
+
+    def to_padded(self, width: Optional[int] = None):
+        """(ids [N, width] int32 padded with -1, counts [N] int32); see adapters.padded."""
+        from mask_replay.adapters.padded import to_padded
+
+        return to_padded(self, width)
+
+    @classmethod
+    def from_padded(cls, ids, counts, **kwargs) -> "SamplingMask":
+        """Inverse of to_padded, with checks; see adapters.padded.from_padded."""
+        from mask_replay.adapters.padded import from_padded
+
+        return from_padded(ids, counts, **kwargs)

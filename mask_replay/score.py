@@ -121,6 +121,10 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
             raise tr.err("logits", f"vocab size {vocab} does not match the mask file's {int(mv)} ({masks_path})")
         mask.validate(vocab_size=vocab, source=masks_path)
         flagged = mask.extras.get("outside_support", torch.zeros(n, dtype=torch.bool)).bool()
+        # an engine mask may hold unsampled rows (empty support, e.g. forced tokens): nothing to
+        # replay there, so they are left out like flagged rows
+        unsampled = mask.lengths().cpu() == 0
+        flagged = flagged | unsampled
 
         from tqdm import tqdm
 
@@ -145,8 +149,12 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
     if bool(greedy.any()):
         notes.append(f"{int(greedy.sum())} greedy rows (temperature 0) left out of the metrics")
         keep &= ~greedy.numpy()
-    if not (keep | greedy.numpy()).all():
-        notes.append(f"{int((~keep & ~greedy.numpy()).sum())} rows without a finite rollout log-prob (sampled outside "
+    if bool(unsampled.any()):
+        notes.append(f"{int(unsampled.sum())} rows with an empty support (not sampled by the engine) left out of "
+                     "the metrics")
+    if not (keep | greedy.numpy() | unsampled.numpy()).all():
+        outside = ~keep & ~greedy.numpy() & ~unsampled.numpy()
+        notes.append(f"{int(outside.sum())} rows without a finite rollout log-prob (sampled outside "
                      "their support) left out of the metrics")
     kept = mask.kept_mass
     if kept is None:
