@@ -1,5 +1,6 @@
 """Engine output adapters (vLLM, SGLang), padded layouts and `mask-replay convert`, against plain
 Python references built from the hand-written fixtures in tests/fixtures/."""
+import array
 import json
 import math
 import os
@@ -110,7 +111,7 @@ def as_objects(responses, mask_as_object=True):
             m = ch["sampling_mask"]
             if m is not None and mask_as_object:
                 m = VllmSamplingMask(m, ch.get("sampling_mask_logprobs"))
-            comps.append(SimpleNamespace(index=ch["index"], text="", token_ids=tuple(ch["token_ids"]),
+            comps.append(SimpleNamespace(index=ch["index"], text="", token_ids=array.array("l", ch["token_ids"]),
                                          cumulative_logprob=None, logprobs=lp, sampling_mask=m,
                                          finish_reason=ch["finish_reason"]))
         out.append(SimpleNamespace(request_id=resp["request_id"], prompt=None, prompt_token_ids=[1, 2],
@@ -369,6 +370,11 @@ def test_from_padded_lenient_padding_for_compact_buffers():
     ids = torch.tensor([[5, 2, 77], [8, 31337, 0]])  # unwritten slots hold garbage
     mask = from_padded(ids, torch.tensor([2, 1]), strict_padding=False)
     assert mask.to_lists() == [[2, 5], [8]]
+
+
+def test_convert_help():
+    result = run("convert", "--help")
+    assert result.exit_code == 0 and "--from" in result.output and "vllm-json" in result.output
 
 
 # ---- engine JSON files --------------------------------------------------------------------------
