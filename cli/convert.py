@@ -52,7 +52,7 @@ def convert(input_path, output, source, target, width, temperature, step, vocab_
     if vocab_size is not None and not engine:
         mask.validate(vocab_size=vocab_size, source=input_path)
     if target == "padded":
-        from mask_replay.adapters.padded import save_padded
+        from mask_replay.adapters.files import save_padded
 
         try:
             save_padded(mask, output, width)
@@ -75,7 +75,7 @@ def _read(path, source, *, temperature, step, vocab_size):
     if source == "mask":
         return SamplingMask.load(path)
     if source == "padded":
-        from mask_replay.adapters.padded import load_padded
+        from mask_replay.adapters.files import load_padded
 
         return load_padded(path)
     from mask_replay.adapters.engine_json import read_engine_json

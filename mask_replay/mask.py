@@ -249,17 +249,18 @@ class SamplingMask:
     # ---- engine outputs and padded layouts (mask_replay/adapters) ----------------------------
     @classmethod
     def from_vllm(cls, outputs, **kwargs) -> "SamplingMask":
-        """vLLM RequestOutputs / CompletionOutputs or /inference/v1/generate JSON; see adapters.vllm."""
-        from mask_replay.adapters.vllm import from_vllm
+        """vLLM RequestOutputs / CompletionOutputs or /inference/v1/generate JSON, one row per
+        generated token; kwargs temperature, step, vocab_size. See adapters.vllm."""
+        from mask_replay.adapters.vllm import vllm_parts
 
-        return from_vllm(outputs, **kwargs)
+        return cls(**vars(vllm_parts(outputs, **kwargs)))
 
     @classmethod
     def from_sglang(cls, outputs, **kwargs) -> "SamplingMask":
         """SGLang /generate responses or its fixed-capacity form; see adapters.sglang."""
-        from mask_replay.adapters.sglang import from_sglang
+        from mask_replay.adapters.sglang import sglang_parts
 
-        return from_sglang(outputs, **kwargs)
+        return cls(**vars(sglang_parts(outputs, **kwargs)))
 
     def to_padded(self, width: Optional[int] = None):
         """(ids [N, width] int32 padded with -1, counts [N] int32); see adapters.padded."""
@@ -269,7 +270,8 @@ class SamplingMask:
 
     @classmethod
     def from_padded(cls, ids, counts, **kwargs) -> "SamplingMask":
-        """Inverse of to_padded, with checks; see adapters.padded.from_padded."""
-        from mask_replay.adapters.padded import from_padded
+        """Inverse of to_padded, with checks; kwargs strict_padding, vocab_size, metadata and
+        per-row tensors (sampled, logprobs, ...). See adapters.padded.padded_parts."""
+        from mask_replay.adapters.padded import padded_parts
 
-        return from_padded(ids, counts, **kwargs)
+        return cls(**vars(padded_parts(ids, counts, **kwargs)))

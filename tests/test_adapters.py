@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from mask_replay import SamplingMask
-from mask_replay.adapters import EngineOutputError, from_padded
+from mask_replay.adapters import EngineOutputError
 from test_cli import assert_clean, assert_one_line_error, needs_ops, run
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -197,7 +197,8 @@ C = r"request 2 \(id 'req-c'\) choice 0"
     (lambda r: c1(r).update(sampling_mask={"ids": []}), A + r"choice 1: sampling_mask is a dict, expected a list of id lists"),
     (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"][0].pop(), C + r" token 0: 1 sampling-mask log-probs for 2 mask ids"),
     (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"].append([0.0]), C + r": 2 rows of sampling-mask log-probs for 1"),
-    (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"][0].__setitem__(1, None), C + r" token 0: sampling-mask log-prob None is not a number"),
+    (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"][0].__setitem__(1, None),
+     C + r" token 0: sampling-mask log-prob None is not a number"),
     (lambda r: r.append({"id": "not a response"}), r"request 3: neither a vLLM RequestOutput"),
     (lambda r: r[1].update(choices="abc"), r"request 1 \(id 'req-b'\): choices: expected a list, got str"),
 ])
@@ -263,8 +264,10 @@ def test_sglang_chat_completion_fixture():
 @pytest.mark.parametrize("edit, message", [
     (lambda r: r[0]["meta_info"]["output_token_sampling_mask"].pop(), r"response 0 \(id 'sg-0'\): 1 sampling-mask rows for 2"),
     (lambda r: r[1]["meta_info"].pop("output_token_sampling_mask"), r"response 1 \(id 'sg-1'\): no sampling mask for its 3"),
-    (lambda r: r[0]["meta_info"]["output_token_sampling_mask"][0].remove(12), r"response 0 \(id 'sg-0'\) token 0: sampled token 12 is not in its sampling mask of 2"),
-    (lambda r: r[1]["meta_info"]["output_token_sampling_logprobs"][1].pop(), r"sg-1'\) token 1: 2 sampling-mask log-probs for 3 mask ids"),
+    (lambda r: r[0]["meta_info"]["output_token_sampling_mask"][0].remove(12),
+     r"response 0 \(id 'sg-0'\) token 0: sampled token 12 is not in its sampling mask of 2"),
+    (lambda r: r[1]["meta_info"]["output_token_sampling_logprobs"][1].pop(),
+     r"sg-1'\) token 1: 2 sampling-mask log-probs for 3 mask ids"),
     (lambda r: r[0].pop("output_ids"), r"response 0 \(id 'sg-0'\): no output_ids to go with its sampling masks"),
     (lambda r: r.append([1, 2]), r"response 3: not an SGLang response"),
     (lambda r: r[0].pop("meta_info"), r"response 0: not an SGLang response"),
@@ -326,7 +329,7 @@ def test_from_padded_sorts_unsorted_rows(rows, data):
     width = max([len(r) for r in rows], default=0)
     shuffled = [data.draw(st.permutations(r)) for r in rows]
     ids = torch.tensor([list(r) + [-1] * (width - len(r)) for r in shuffled], dtype=torch.int64).reshape(len(rows), width)
-    mask = from_padded(ids, torch.tensor([len(r) for r in rows], dtype=torch.int64))
+    mask = SamplingMask.from_padded(ids, torch.tensor([len(r) for r in rows], dtype=torch.int64))
     assert mask.to_lists() == [sorted(r) for r in rows]
 
 
@@ -341,7 +344,7 @@ def test_to_padded_names_a_row_wider_than_width():
 
 def test_from_padded_keeps_unsampled_rows_and_extras():
     ids = torch.tensor([[3, 1, -1], [-1, -1, -1]], dtype=torch.int32)
-    mask = from_padded(ids, torch.tensor([2, 0]), sampled=torch.tensor([3, 0]), logprobs=torch.tensor([-0.1, 0.0]),
+    mask = SamplingMask.from_padded(ids, torch.tensor([2, 0]), sampled=torch.tensor([3, 0]), logprobs=torch.tensor([-0.1, 0.0]),
                        sequence=torch.tensor([4, 4]))
     assert mask.to_lists() == [[1, 3], []]
     assert mask.sampled.tolist() == [3, 0] and mask.extras["sequence"].tolist() == [4, 4]
@@ -363,12 +366,12 @@ def test_from_padded_keeps_unsampled_rows_and_extras():
 ])
 def test_from_padded_errors(ids, counts, kwargs, message):
     with pytest.raises(EngineOutputError, match=message):
-        from_padded(torch.tensor(ids), torch.tensor(counts), **kwargs)
+        SamplingMask.from_padded(torch.tensor(ids), torch.tensor(counts), **kwargs)
 
 
 def test_from_padded_lenient_padding_for_compact_buffers():
     ids = torch.tensor([[5, 2, 77], [8, 31337, 0]])  # unwritten slots hold garbage
-    mask = from_padded(ids, torch.tensor([2, 1]), strict_padding=False)
+    mask = SamplingMask.from_padded(ids, torch.tensor([2, 1]), strict_padding=False)
     assert mask.to_lists() == [[2, 5], [8]]
 
 

@@ -1,5 +1,8 @@
 """What the engine adapters share: reading duck-typed fields, and turning per-completion mask rows
-into one SamplingMask with errors that name the request, the choice and the token.
+into the fields of one SamplingMask, with errors that name the request, the choice and the token.
+
+The adapters return MaskParts, not SamplingMask: mask.py imports the adapters (its from_* methods
+delegate here), so the adapters never import mask.py.
 
 An engine reports, per generated token, the ids its sampler could have drawn (in any order); the
 adapters turn that into CSR rows (ids ascending), one row per generated token, requests in the
@@ -57,6 +60,19 @@ def _is_real(x) -> bool:
 
 
 @dataclass
+class MaskParts:
+    """The constructor arguments of a SamplingMask: SamplingMask(**vars(parts))."""
+
+    token_ids: torch.Tensor
+    offsets: torch.Tensor
+    sampled: Optional[torch.Tensor] = None
+    logprobs: Optional[torch.Tensor] = None
+    kept_mass: Optional[torch.Tensor] = None
+    extras: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
 class Completion:
     """One generated sequence as the engine reported it (rows not yet checked)."""
 
@@ -70,15 +86,13 @@ class Completion:
 
 def build_mask(completions: Sequence[Completion], *, engine: str, temperature=None, step=None,
                vocab_size: Optional[int] = None):
-    """One SamplingMask row per generated token of every completion, in order.
+    """One mask row per generated token of every completion, in order (as MaskParts).
 
     extras: `sequence` (index of the completion in that order), `position` (token index within
     its completion), `step` and `temperature` when given. `logprobs` is the log-prob of the
     sampled token over its mask: from the per-entry mask log-probs when the engine sent them,
     else from the per-token log-probs; NaN for a token with an empty mask and no per-token value.
     """
-    from mask_replay.mask import SamplingMask
-
     if vocab_size is not None and (not _is_int(vocab_size) or vocab_size < 1):
         raise EngineOutputError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     ids_parts, count_parts, tok_parts, tlp_parts, elp_parts = [], [], [], [], []
@@ -150,7 +164,7 @@ def build_mask(completions: Sequence[Completion], *, engine: str, temperature=No
     meta = {"engine": engine, "logprobs_source": source, "sequences": [c.key for c in completions]}
     if vocab_size is not None:
         meta["vocab_size"] = int(vocab_size)
-    return SamplingMask(
+    return MaskParts(
         torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(offsets),
         sampled=torch.from_numpy(sampled), logprobs=logprobs, extras=extras, metadata=meta)
 

@@ -6,12 +6,11 @@ Device-agnostic torch: the work stays on the tensors' device.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from mask_replay.adapters.common import INT32_LIMIT, EngineOutputError
+from mask_replay.adapters.common import INT32_LIMIT, EngineOutputError, MaskParts
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 PAD = -1
@@ -38,15 +37,13 @@ def to_padded(mask, width: Optional[int] = None):
     return ids, lengths.to(torch.int32)
 
 
-def from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Optional[int] = None,
+def padded_parts(ids, counts, *, strict_padding: bool = True, vocab_size: Optional[int] = None,
                 source: str = "padded mask", metadata: Optional[dict] = None, **extras):
-    """SamplingMask from a padded layout. Checks: ids 2-D integer, counts [N] integer in [0, W];
+    """Mask fields (MaskParts) from a padded layout. Checks: ids 2-D integer, counts [N] integer in [0, W];
     ids in the first counts[r] slots in [0, vocab_size) (or [0, 2^31)) and distinct; with
     `strict_padding` the other slots are -1 (vLLM's compact buffer leaves them unwritten: pass
     False for it). Rows come out sorted. `extras` are per-row tensors (sampled, logprobs, ...);
     a `sampled` token must lie in its row unless the row is empty."""
-    from mask_replay.mask import SamplingMask
-
     ids = _int_tensor(ids, "ids", 2, source)
     counts = _int_tensor(counts, "counts", 1, source).to(ids.device)
     n, w = ids.shape
@@ -93,7 +90,8 @@ def from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Optiona
             r = int(bad[0])
             raise EngineOutputError(f"{source}: row {r}: sampled token {int(s[r])} is not among its "
                                     f"{int(counts[r])} ids")
-    return SamplingMask._with_extras(token_ids, offsets, dict(extras, metadata=dict(metadata or {})))
+    named = {k: extras.pop(k) for k in ("sampled", "logprobs", "kept_mass") if k in extras}
+    return MaskParts(token_ids, offsets, extras=extras, metadata=dict(metadata or {}), **named)
 
 
 def _int_tensor(x, name, dim, source):
@@ -105,34 +103,3 @@ def _int_tensor(x, name, dim, source):
     if x.dtype not in _INT_DTYPES or x.dim() != dim:
         raise EngineOutputError(f"{source}: {name} must be a {dim}-D integer tensor, got {x.dtype} {tuple(x.shape)}")
     return x
-
-
-# ---- files --------------------------------------------------------------------------------------
-# A padded file is a safetensors file with `ids` [N, W] int32 (-1 padding) and `counts` [N] int32,
-# plus the mask's per-row keys (sampled, logprobs, kept_mass, step, sequence, ...) as they are.
-
-def save_padded(mask, path, width: Optional[int] = None) -> None:
-    from safetensors.torch import save_file
-
-    from mask_replay.io import atomic_output
-
-    ids, counts = to_padded(mask, width)
-    tensors = {k: v for k, v in mask.tensors().items() if k not in ("token_ids", "offsets")}
-    tensors.update({"ids": ids.cpu().contiguous(), "counts": counts.cpu().contiguous()})
-    meta = mask.file_metadata()
-    meta["layout"] = "padded"
-    with atomic_output(path) as tmp:
-        save_file(tensors, tmp, metadata=meta)
-
-
-def load_padded(path):
-    from mask_replay.io import DumpError, read_safetensors
-
-    path = os.fspath(path)
-    tensors, meta = read_safetensors(path)
-    for key in ("ids", "counts"):
-        if key not in tensors:
-            raise DumpError(f"{path}: missing key '{key}' (is this a padded mask file?)")
-    ids, counts = tensors.pop("ids"), tensors.pop("counts")
-    meta.pop("layout", None)
-    return from_padded(ids, counts, source=path, metadata=meta, **tensors)

@@ -1,4 +1,4 @@
-"""SGLang outputs -> SamplingMask (SGLang is not imported).
+"""SGLang outputs -> mask fields (SamplingMask.from_sglang); SGLang is not imported.
 
 Two forms:
   - responses of `/generate` with `return_sampling_mask: true`, alone or in a list (a batch, and
@@ -19,10 +19,10 @@ from mask_replay.adapters.common import (Completion, EngineOutputError, as_list,
                                           row_extras)
 
 
-def from_sglang(outputs: Any, *, temperature: Optional[float] = None, step: Optional[int] = None,
+def sglang_parts(outputs: Any, *, temperature: Optional[float] = None, step: Optional[int] = None,
                 vocab_size: Optional[int] = None):
     """One mask row per generated token (responses in the order given, tokens in order), or one
-    per row of the fixed-capacity form. Same extras and checks as `from_vllm`."""
+    per row of the fixed-capacity form. Same extras and checks as `vllm_parts`."""
     if _is_fixed(outputs):
         return _from_fixed(outputs, temperature=temperature, step=step, vocab_size=vocab_size)
     items = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
@@ -83,7 +83,7 @@ def _is_fixed(obj) -> bool:
 def _from_fixed(obj, *, temperature, step, vocab_size):
     import torch
 
-    from mask_replay.adapters.padded import from_padded
+    from mask_replay.adapters.padded import padded_parts
 
     counts = get(obj, "lengths") if has(obj, "lengths") else get(obj, "counts")
     extras = {}
@@ -94,8 +94,8 @@ def _from_fixed(obj, *, temperature, step, vocab_size):
     if lp is not None:
         extras["logprobs"] = torch.as_tensor(lp).to(torch.float32)
     # SGLang leaves the slots past a row's length unspecified: they are not read
-    mask = from_padded(get(obj, "token_ids"), counts, strict_padding=False, vocab_size=vocab_size,
+    parts = padded_parts(get(obj, "token_ids"), counts, strict_padding=False, vocab_size=vocab_size,
                        source="sglang fixed-capacity mask", **extras)
-    mask.extras.update(row_extras(mask.num_rows, step=step, temperature=temperature))
-    mask.metadata.update({"engine": "sglang", "logprobs_source": "selected_logprobs" if lp is not None else "none"})
-    return mask
+    parts.extras.update(row_extras(int(parts.offsets.numel()) - 1, step=step, temperature=temperature))
+    parts.metadata.update({"engine": "sglang", "logprobs_source": "selected_logprobs" if lp is not None else "none"})
+    return parts

@@ -1,4 +1,5 @@
-"""vLLM outputs -> SamplingMask. vLLM is not imported: its objects are read by duck typing.
+"""vLLM outputs -> mask fields (SamplingMask.from_vllm). vLLM is not imported: its objects are
+read by duck typing.
 
 Accepted, alone or in a list (one entry per request, in order):
   - `RequestOutput`-like objects: `.request_id`, `.outputs` = `CompletionOutput`-like objects with
@@ -19,7 +20,7 @@ from typing import Any, Optional
 from mask_replay.adapters.common import Completion, EngineOutputError, as_list, build_mask, get, has
 
 
-def from_vllm(outputs: Any, *, temperature: Optional[float] = None, step: Optional[int] = None,
+def vllm_parts(outputs: Any, *, temperature: Optional[float] = None, step: Optional[int] = None,
               vocab_size: Optional[int] = None):
     """One mask row per generated token: requests in the order given, completions by `index`,
     tokens in order. `logprobs` is the sampled token's log-prob over its mask (see
