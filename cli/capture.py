@@ -36,16 +36,16 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
     check_device(device)
     explicit = frozenset(p for p in PARAMS if ctx.get_parameter_source(p) in
                          (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
-    flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     from mask_replay.distributed import cli as dist_cli, launch, resume as resumed
+    flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     if resume and resumed.capture_complete(list(rollout), output, flags=flags, explicit=explicit, outside=outside):
         return
-    if launch.under_torchrun():
-        return dist_cli.capture_command(list(rollout), output, explicit=explicit, chunk_rows=chunk_rows,
-                                        device=device, outside=outside, **flags)
-    summary = capture_dumps(
+    capture_fn = dist_cli.capture_under_torchrun if launch.under_torchrun() else capture_dumps
+    summary = capture_fn(
         list(rollout), output, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         explicit=explicit, chunk_rows=chunk_rows, device=device, outside=outside, progress=True)
+    if summary is None:  # under torchrun, a rank other than 0: rank 0 reports
+        return
     err = console(err=True)
     for note in summary.notes:
         err.print(f"mask-replay: note: {note}")

@@ -29,8 +29,6 @@ def score(masks, training, json_out, plot, title, chunk_rows, device, resume):
     from mask_replay.distributed import cli as dist_cli, launch, resume as resumed
     if resume and resumed.score_complete(json_out, plot):
         return
-    if launch.under_torchrun():  # the ranks split the rows; rank 0 writes the same report
-        return dist_cli.score_command(masks, training, json_out, plot, title, chunk_rows=chunk_rows, device=device)
     for out in (json_out, plot):
         if out:
             check_writable(out)
@@ -40,7 +38,10 @@ def score(masks, training, json_out, plot, title, chunk_rows, device, resume):
         with Dump(masks) as d:  # header only; refuse now rather than after scoring
             if "step" not in d:
                 raise CliError(f"{plot}: nothing to plot: {masks} has no 'step' key")
-    result = score_files(masks, training, chunk_rows=chunk_rows, device=device, progress=True)
+    score_fn = dist_cli.score_under_torchrun if launch.under_torchrun() else score_files
+    result = score_fn(masks, training, chunk_rows=chunk_rows, device=device, progress=True)
+    if result is None:  # under torchrun, a rank other than 0: rank 0 reports
+        return
     for note in result.notes:
         console(err=True).print(f"mask-replay: note: {note}")
     print_report(result.report)

@@ -134,10 +134,35 @@ def main():
         check(f"trial {trial} hidden grad (bias shard)", pb, gb[lo:lo + size], hatol, hrtol)
         cases += 1
 
+    cases += edge_cases(rank, world)
     errors(rank, world)
     dist.barrier()
     print(f"rank {rank}: {cases} cases ok", flush=True)
     dist.destroy_process_group()
+
+
+def edge_cases(rank, world):
+    """No rows at all; very uneven shards (rank 0 holds one column, the last rank the most)."""
+    empty = replay_logprobs_vocab_parallel(torch.zeros(0, 5), SamplingMask.from_lists([]),
+                                           torch.zeros(0, dtype=torch.int64), vocab_start=5 * rank)
+    if empty.shape != (0,):
+        raise AssertionError(f"zero rows: got shape {tuple(empty.shape)}")
+    vocab = 50
+    sizes = [1] + [(vocab - 1) // (world - 1)] * (world - 1)
+    sizes[-1] += vocab - sum(sizes)
+    lo, size = shard_bounds(vocab, world, rank, sizes)
+    gen = torch.Generator().manual_seed(99)
+    logits = torch.randn(6, vocab, generator=gen) * 2
+    mask = SamplingMask.from_lists([[0], [0, 1], [0, 49], [3, 4, 5], [1, 2, 30, 49], list(range(50))])
+    y = torch.tensor([0, 0, 49, 4, 30, 17])
+    want = mask_replay.replay_logprobs(logits, mask, y, 0.9)
+    got = replay_logprobs_vocab_parallel(logits[:, lo:lo + size], mask, y, vocab_start=lo, temperature=0.9)
+    check("uneven shards", got, want, 1e-6)
+    (gw,) = grads(lambda z: mask_replay.replay_logprobs(z, mask, y, 0.9), logits)
+    (gp,) = grads(lambda z: replay_logprobs_vocab_parallel(z, mask, y, vocab_start=lo, temperature=0.9),
+                  logits[:, lo:lo + size])
+    check("uneven shards grad", gp, gw[:, lo:lo + size], 1e-6, 1e-6)
+    return 2
 
 
 def expect_error(fn, needle):

@@ -14,4 +14,4 @@ def test_vocab_parallel_matches_single_process(nproc):
     proc = torchrun(nproc, WORKER, timeout=90)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in range(nproc):
-        assert f"rank {rank}: 24 cases ok" in proc.stdout, proc.stdout[-3000:]
+        assert f"rank {rank}: 26 cases ok" in proc.stdout, proc.stdout[-3000:]

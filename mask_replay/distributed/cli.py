@@ -42,8 +42,9 @@ def _total_rows(paths) -> int:
     return total
 
 
-def capture_under_torchrun(paths, out, *, device, outside, progress=True, **capture_args):
-    """Run `capture` as one rank; returns (CaptureSummary, rows per rank) on rank 0, None elsewhere."""
+def capture_under_torchrun(paths, out, *, device="cpu", outside="error", progress=True, **capture_args):
+    """mask_replay.capture_dumps as one rank of torchrun (same arguments): returns the summary of
+    the whole capture on rank 0, None on the other ranks."""
     from mask_replay.capture_dumps import CaptureSummary, capture_dumps
     from mask_replay.io import check_writable
 
@@ -66,9 +67,13 @@ def capture_under_torchrun(paths, out, *, device, outside, progress=True, **capt
         mask = merge_masks([p[0] for p in parts], outside)
         mask.save(out)
         outside_rows = int(mask.extras["outside_support"].sum()) if "outside_support" in mask.extras else 0
-        total = CaptureSummary(mask.num_rows, mask.nnz, summary.vocab, mask.lengths(), sum(p[1] for p in parts),
-                               os.path.getsize(out), time.perf_counter() - t0, outside_rows, summary.notes, mask)
-        return total, [p[0].num_rows for p in parts]
+        notes = summary.notes + [_ranks_note([p[0].num_rows for p in parts])]
+        return CaptureSummary(mask.num_rows, mask.nnz, summary.vocab, mask.lengths(), sum(p[1] for p in parts),
+                              os.path.getsize(out), time.perf_counter() - t0, outside_rows, notes, mask)
+
+
+def _ranks_note(rows) -> str:
+    return f"torchrun: {len(rows)} ranks, rows per rank {rows}"
 
 
 def _check_output(paths, out):
@@ -92,9 +97,9 @@ def merge_masks(masks, outside):
     return mask
 
 
-def score_under_torchrun(masks, training, *, chunk_rows, device, progress=True):
-    """Run `score` as one rank; returns the ScoreResult (report with its `run` section) on rank 0,
-    None elsewhere."""
+def score_under_torchrun(masks, training, *, chunk_rows=None, device="cpu", progress=True):
+    """mask_replay.score_files as one rank of torchrun: returns the ScoreResult of all rows (its
+    report with a `run` section) on rank 0, None on the other ranks."""
     from mask_replay.dumps import Dump
     from mask_replay.score import score_files
 
@@ -124,54 +129,6 @@ def score_under_torchrun(masks, training, *, chunk_rows, device, progress=True):
             raise RunFailed("unreachable: agree() raises on an error") from exc
         if result is not None:
             result.report["run"] = {"world_size": ranks.world, "rows_per_rank": state["rows"]}
+            result.notes.append(_ranks_note(state["rows"]))
         return result
 
-
-# ---- the command glue: what cli/capture.py and cli/score.py run under torchrun -----------------
-def capture_command(paths, out, **capture_args) -> None:
-    """`mask-replay capture` as one rank of torchrun; rank 0 prints the summary."""
-    from mask_replay.cli.capture import print_summary
-    from mask_replay.cli.common import console
-
-    done = capture_under_torchrun(paths, out, **capture_args)
-    if done is None:
-        return
-    summary, rows = done
-    for note in summary.notes:
-        console(err=True).print(f"mask-replay: note: {note}")
-    print_summary(summary, out)
-    console().print(f"{len(rows)} ranks, rows per rank: {rows}")
-
-
-def score_command(masks, training, json_out, plot, title, *, chunk_rows, device) -> None:
-    """`mask-replay score` as one rank of torchrun; rank 0 checks the outputs first, then prints
-    and writes them as the single-process command does."""
-    import json
-
-    from mask_replay.cli.common import console
-    from mask_replay.cli.score import print_report
-    from mask_replay.dumps import Dump
-    from mask_replay.io import check_writable, write_text
-
-    if os.environ.get("RANK") == "0":  # before the long part; the other ranks learn of it at once
-        for path in (json_out, plot):
-            if path:
-                check_writable(path)
-        if plot:
-            with Dump(masks) as d:
-                if "step" not in d:
-                    raise DumpError(f"{plot}: nothing to plot: {masks} has no 'step' key")
-    result = score_under_torchrun(masks, training, chunk_rows=chunk_rows, device=device)
-    if result is None:
-        return
-    for note in result.notes:
-        console(err=True).print(f"mask-replay: note: {note}")
-    print_report(result.report)
-    run = result.report["run"]
-    console().print(f"{run['world_size']} ranks, rows per rank: {run['rows_per_rank']}")
-    if plot:
-        from mask_replay.plots import plot_report
-
-        plot_report(result.report, plot, title=title or f"rollout vs training log-probs: {os.path.basename(training)}")
-    if json_out:
-        write_text(json_out, json.dumps(result.report, indent=2) + "\n")
