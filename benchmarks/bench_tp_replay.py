@@ -1,11 +1,11 @@
 """Vocab-parallel replay (torchrun, gloo) against the single-process op, forward + backward.
 
-    python benchmarks/bench_tp_replay.py [--rows 1024] [--ranks 2 4] [--runs 7]
+    python benchmarks/bench_tp_replay.py [--rows 1024] [--ranks 1 2 4] [--runs 7]
 
 N rows, V = 151936, the support sizes of bench_replay.py (mean |K| = 8). The single-process
-mask_replay.replay_logprobs on fp32 logits [N, V] runs with 1 thread and with one thread per rank
-of the largest run; each vocab-parallel run is `torchrun --nproc-per-node P` with one thread per
-rank, each rank holding its [N, V/P] shard. An iteration is timed from a barrier to the end of the
+mask_replay.replay_logprobs on fp32 logits [N, V] runs with 1 thread and with as many threads as
+the machine has cores (at most the largest rank count); each vocab-parallel run is `torchrun --nproc-per-node P` with one thread per
+rank, each rank holding its [N, V/P] shard (1 rank: the torch composition itself, no sharding). An iteration is timed from a barrier to the end of the
 backward on every rank, and its time is the slowest rank's; figures are medians of --runs after
 one warm-up. Each configuration runs in its own process(es).
 """
@@ -79,7 +79,7 @@ def worker(rows, runs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1024)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--single-threads", type=int, default=None, help=argparse.SUPPRESS)
@@ -91,7 +91,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     me = os.path.abspath(__file__)
     results = {}
-    for threads in sorted({1, max(a.ranks)}):
+    for threads in sorted({1, min(max(a.ranks), os.cpu_count() or 1)}):
         out = subprocess.run([sys.executable, me, "--rows", str(a.rows), "--runs", str(a.runs),
                               "--single-threads", str(threads)], check=True, capture_output=True, text=True)
         results[f"single process, {threads} thread(s)"] = json.loads(out.stdout.strip().splitlines()[-1])["median_s"]
