@@ -56,8 +56,18 @@ def _mask_file(path):
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_capture_and_score_do_not_depend_on_ranks(data, nproc):
-    proc = torchrun(nproc, "-m", "mask_replay", *_capture_args(f"masks{nproc}.safetensors"), cwd=data)
+    # capture through the worker script, which records the logits rows each rank read
+    proc = torchrun(nproc, WORKER, *_capture_args(f"masks{nproc}.safetensors"), cwd=data,
+                    env={"MASK_REPLAY_TEST_TRACE": f"read{nproc}_"})
     assert proc.returncode == 0, proc.stderr[-4000:]
+    base, extra = divmod(sum(ROWS), nproc)
+    shares = [base + (r < extra) for r in range(nproc)]
+    for r in range(nproc):  # each rank streamed exactly its contiguous share of the rows
+        read = json.loads((data / f"read{nproc}_{r}.json").read_text())
+        first = sum(shares[:r])
+        want = [i for i in range(first, first + shares[r])]
+        got = [i + (ROWS[0] if name == "rollout1.safetensors" else 0) for name, a, b in read for i in range(a, b)]
+        assert got == want, (r, read)
     got, got_meta = _mask_file(data / f"masks{nproc}.safetensors")
     want, want_meta = _mask_file(data / "masks1.safetensors")
     assert got.keys() == want.keys() and "outside_support" in want  # some rows flagged: merged too
@@ -68,8 +78,7 @@ def test_capture_and_score_do_not_depend_on_ranks(data, nproc):
                     "training.safetensors", "--json", f"score{nproc}.json", "--chunk-rows", "4", cwd=data)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((data / f"score{nproc}.json").read_text())
-    base, extra = divmod(sum(ROWS), nproc)
-    assert report.pop("run") == {"world_size": nproc, "rows_per_rank": [base + (r < extra) for r in range(nproc)]}
+    assert report.pop("run") == {"world_size": nproc, "rows_per_rank": shares}
     assert report == json.loads((data / "score1.json").read_text())  # every float, exactly
     assert report["per_step"] and "sequences" in report["replay"]
 
