@@ -10,8 +10,12 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import mask_replay
 from dist_launch import torchrun
+from mask_replay.capture_dumps import capture_dumps
 from mask_replay.cli.main import main
+from mask_replay.distributed.cli import merge_masks
+from mask_replay.distributed.launch import share
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_cli_worker.py")
 ROWS = (23, 18)  # two rollout files; 41 rows split unevenly over 2 and 3 ranks
@@ -113,9 +117,9 @@ def test_killed_rank_fails_the_run_and_writes_nothing(data):
 def test_hung_rank_times_out(data):
     proc = torchrun(2, WORKER, "score", "--masks", "masks1.safetensors", "--training", "training.safetensors",
                     "--json", "hung.json", cwd=data, env={"MASK_REPLAY_TEST_FAIL": "1:hang",
-                                                          "MASK_REPLAY_DIST_TIMEOUT": "3"})
+                                                          "MASK_REPLAY_DIST_TIMEOUT": "5"})
     assert proc.returncode != 0
-    assert "another rank died or hung (timeout MASK_REPLAY_DIST_TIMEOUT=3 s)" in proc.stderr, proc.stderr[-3000:]
+    assert "another rank died or hung (timeout MASK_REPLAY_DIST_TIMEOUT=5 s)" in proc.stderr, proc.stderr[-3000:]
     assert "Ranks 1 failed to pass monitoredBarrier" in proc.stderr
     assert _leftovers(data, "hung") == []
 
@@ -144,3 +148,26 @@ def test_resume_skips_complete_outputs_only(data):
     (data / "r.json").write_text('{"tokens": 3')
     assert "skipped" not in run_cli(*score).output
     assert json.loads((data / "r.json").read_text()) == json.loads((data / "score1.json").read_text())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_shares_tile_the_rows(world):
+    for n in range(12):
+        bounds = [share(n, world, r) for r in range(world)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(bounds[r][1] == bounds[r + 1][0] for r in range(world - 1))
+        sizes = [b - a for a, b in bounds]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_shares_merge_into_the_single_capture(data):
+    """In one process: per-share captures (one share empty, one spanning both files, flagged rows
+    in some shares only) merge into the mask one capture writes (rows 0-40 of 23 + 18)."""
+    paths = ["rollout0.safetensors", "rollout1.safetensors"]
+    parts = [capture_dumps(paths, None, outside="flag", rows=r, progress=False).mask
+             for r in ((0, 17), (17, 17), (17, 30), (30, 41))]
+    assert [m.num_rows for m in parts] == [17, 0, 13, 11]
+    assert "outside_support" not in parts[2].extras  # no flagged row there: the merge restores the column
+    merged = merge_masks(parts, "flag")
+    single = mask_replay.SamplingMask.load(str(data / "masks1.safetensors"))
+    assert merged == single and merged.file_metadata() == single.file_metadata()
