@@ -82,13 +82,19 @@ def replay_logprobs_vocab_parallel_from_hidden(
     rows [vocab_start, vocab_start + V_p) of the LM head. With ``reduce_hidden_grad`` (default) the
     backward all-reduces the gradient of ``hidden`` over the group, as Megatron's column-parallel
     LM head does, so every rank receives the full gradient; pass False when the caller already
-    wraps hidden in its own copy-to-tensor-parallel-region.
+    wraps hidden in its own copy-to-tensor-parallel-region. Logits are formed in float32 (float64
+    for float64 inputs); in bfloat16/float16 each support entry's weight gradient is rounded to the
+    weight's dtype before torch's indexing backward sums the entries of a token shared by several
+    rows (the single-process kernel sums in float32 first).
     """
     _check_matrix(hidden, "hidden")
     _check_matrix(weight_shard, "weight_shard")
     if weight_shard.dtype != hidden.dtype or weight_shard.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight_shard: expected [V_p, {hidden.shape[1]}] {hidden.dtype} like hidden, "
                          f"got {list(weight_shard.shape)} {weight_shard.dtype}")
+    for name, t in (("weight_shard", weight_shard), ("bias_shard", bias_shard)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
     if bias_shard is not None and (bias_shard.dim() != 1 or bias_shard.shape[0] != weight_shard.shape[0]
                                    or bias_shard.dtype != hidden.dtype):
         raise ValueError(f"bias_shard: expected [{weight_shard.shape[0]}] {hidden.dtype}, "
