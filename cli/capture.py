@@ -20,23 +20,32 @@ PARAMS = ("temperature", "top_k", "top_p", "min_p")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
 @click.option("--outside", type=click.Choice(["error", "flag"]), default="error", show_default=True,
               help="A sampled token outside its support: stop, or flag the row and go on.")
+@click.option("--resume", is_flag=True, help="Skip if OUTPUT is already the complete mask file of these inputs.")
 @click.pass_context
 @one_line_errors
-def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, device, outside):
+def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, device, outside, resume):
     """Capture the sampling support of every row of ROLLOUT dump(s) into one mask file.
 
     Sampling parameters come from each dump's own keys (temperature, top_k, top_p, min_p); the
     flags fill rows whose dump lacks them, and a flag given explicitly overrides the dump. Several
     dumps are concatenated in order. Logits are read in chunks, so dumps larger than RAM work.
+    Under torchrun, the ranks split the rows and rank 0 writes the one mask file.
     """
     from mask_replay.capture_dumps import capture_dumps
 
     check_device(device)
     explicit = frozenset(p for p in PARAMS if ctx.get_parameter_source(p) in
                          (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
-    summary = capture_dumps(
+    from mask_replay.distributed import cli as dist_cli, launch, resume as resumed
+    flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    if resume and resumed.capture_complete(list(rollout), output, flags=flags, explicit=explicit, outside=outside):
+        return
+    capture_fn = dist_cli.capture_under_torchrun if launch.under_torchrun() else capture_dumps
+    summary = capture_fn(
         list(rollout), output, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         explicit=explicit, chunk_rows=chunk_rows, device=device, outside=outside, progress=True)
+    if summary is None:  # under torchrun, a rank other than 0: rank 0 reports
+        return
     err = console(err=True)
     for note in summary.notes:
         err.print(f"mask-replay: note: {note}")

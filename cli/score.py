@@ -14,8 +14,9 @@ from mask_replay.cli.common import CONTEXT, CliError, check_device, console, fmt
 @click.option("--chunk-rows", type=click.IntRange(min=1), default=None,
               help="Rows per chunk (default: about 256 MB of logits).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
+@click.option("--resume", is_flag=True, help="Skip if the --json report (and --plot) are already complete.")
 @one_line_errors
-def score(masks, training, json_out, plot, title, chunk_rows, device):
+def score(masks, training, json_out, plot, title, chunk_rows, device, resume):
     """Compare training log-probs with the rollout's, with replay (over the recorded support) and
     without (over the full vocabulary): importance ratios, log-prob differences, KL estimates."""
     import json
@@ -25,6 +26,9 @@ def score(masks, training, json_out, plot, title, chunk_rows, device):
     from mask_replay.score import score_files
 
     check_device(device)
+    from mask_replay.distributed import cli as dist_cli, launch, resume as resumed
+    if resume and resumed.score_complete(json_out, plot):
+        return
     for out in (json_out, plot):
         if out:
             check_writable(out)
@@ -34,7 +38,10 @@ def score(masks, training, json_out, plot, title, chunk_rows, device):
         with Dump(masks) as d:  # header only; refuse now rather than after scoring
             if "step" not in d:
                 raise CliError(f"{plot}: nothing to plot: {masks} has no 'step' key")
-    result = score_files(masks, training, chunk_rows=chunk_rows, device=device, progress=True)
+    score_fn = dist_cli.score_under_torchrun if launch.under_torchrun() else score_files
+    result = score_fn(masks, training, chunk_rows=chunk_rows, device=device, progress=True)
+    if result is None:  # under torchrun, a rank other than 0: rank 0 reports
+        return
     for note in result.notes:
         console(err=True).print(f"mask-replay: note: {note}")
     print_report(result.report)

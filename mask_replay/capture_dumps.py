@@ -32,6 +32,7 @@ class CaptureSummary:
     seconds: float
     outside_rows: int = 0
     notes: list = field(default_factory=list)
+    mask: Optional[object] = None  # the SamplingMask captured (kept for mask_replay.distributed)
 
     def stats(self) -> dict:
         """Support-size statistics and throughput, JSON-able."""
@@ -93,19 +94,23 @@ def capture_dumps(
     device: str = "cpu",
     outside: str = "error",
     progress: bool = True,
+    rows: Optional[tuple] = None,
 ) -> CaptureSummary:
     """Capture the masks of every row of `paths` (in order) into the mask file `out`.
 
     temperature/top_k/top_p/min_p fill rows whose dump lacks that key; names in `explicit` override
-    the dump. Errors are DumpError naming the file, key and absolute row.
+    the dump. Errors are DumpError naming the file, key and absolute row. rows=(a, b) captures
+    only the rows [a, b) of the concatenated inputs, and out=None writes nothing (one rank's share
+    under torchrun, see mask_replay.distributed).
     """
-    out = os.fspath(out)
+    out = os.fspath(out) if out is not None else os.devnull
     if not paths:
         raise DumpError("capture: no input files given")
     for p in paths:
         if os.path.exists(out) and os.path.exists(p) and os.path.samefile(p, out):
             raise DumpError(f"{out}: output would overwrite the input dump")
-    check_writable(out)  # fail before the long part, not after it
+    if out != os.devnull:
+        check_writable(out)  # fail before the long part, not after it
     flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
 
     dumps = [Dump(p) for p in paths]
@@ -130,10 +135,13 @@ def capture_dumps(
         parts, bytes_read, t0 = [], 0, time.perf_counter()
         # closed (and cleared) on errors too, so an error line never lands after a half-drawn bar
         with tqdm(total=total, unit="rows", desc="capture", disable=not progress or None, leave=False) as bar:
+            first = 0  # global row of the file's row 0
             for d, (n, _), has_lp in zip(dumps, shapes, engine_lp):
+                lo, hi = (0, n) if rows is None else (max(0, rows[0] - first), min(n, rows[1] - first))
+                first += n
                 step = chunk_rows or default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
-                for a in range(0, n, step):
-                    b = min(n, a + step)
+                for a in range(lo, hi, step):
+                    b = min(hi, a + step)
                     parts.append(_capture_chunk(d, a, b, flags, explicit, device, outside, has_lp, carried))
                     bytes_read += d.nbytes("logits") * (b - a) // max(n, 1)
                     bar.update(b - a)
@@ -148,14 +156,16 @@ def capture_dumps(
                                 for d, h in zip(dumps, engine_lp)},
             "outside": outside,
         }
-        mask.save(out)
+        if out != os.devnull:
+            mask.save(out)
         seconds = time.perf_counter() - t0
     finally:
         for d in dumps:
             d.close()
     outside_rows = int(mask.extras["outside_support"].sum()) if "outside_support" in mask.extras else 0
-    return CaptureSummary(total, mask.nnz, vocab, mask.lengths(), bytes_read, os.path.getsize(out), seconds,
-                          outside_rows, notes)
+    written = os.path.getsize(out) if out != os.devnull else 0
+    return CaptureSummary(mask.num_rows, mask.nnz, vocab, mask.lengths(), bytes_read, written, seconds,
+                          outside_rows, notes, mask)
 
 
 def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carried):

@@ -89,9 +89,11 @@ def build_report(rollout, replay, no_replay, kept, step=None, sequence=None) -> 
 
 
 def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, device: str = "cpu",
-                progress: bool = True) -> ScoreResult:
+                progress: bool = True, rows: Optional[tuple] = None, combine=None) -> Optional[ScoreResult]:
     """Training log-probs with and without replay for every row, against the mask file's rollout
-    log-probs. Errors are DumpError naming the file, key and row."""
+    log-probs. Errors are DumpError naming the file, key and row. rows=(a, b) computes only the
+    log-probs of rows [a, b); combine(replay[a:b], no_replay[a:b]) then returns the arrays of all
+    rows, or None to stop here (ranks other than 0 under torchrun, see mask_replay.distributed)."""
     import mask_replay  # ops looked up at call time
     from mask_replay.mask import SamplingMask
 
@@ -133,8 +135,9 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
         full = torch.empty(n, dtype=torch.float32)
         with tqdm(total=n, unit="rows", desc="score", disable=not progress or None, leave=False) as bar, \
                 torch.no_grad():
-            for a in range(0, n, step_rows):
-                b = min(n, a + step_rows)
+            first, last = rows if rows is not None else (0, n)
+            for a in range(first, last, step_rows):
+                b = min(last, a + step_rows)
                 logits = tr.get("logits", a, b)
                 sub = mask.select_rows(a, b)
                 sampled, t = mask.sampled[a:b], temp[a:b]
@@ -144,6 +147,11 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
                 rep[a:b] = _replay(mask_replay, logits, sub, sampled, t, flagged[a:b], masks_path, a).cpu()
                 bar.update(b - a)
 
+    if combine is not None:
+        combined = combine(rep[first:last], full[first:last])
+        if combined is None:
+            return None
+        rep, full = combined
     rollout = mask.logprobs.double().numpy()
     keep = np.isfinite(rollout) & ~flagged.numpy()
     if bool(greedy.any()):
