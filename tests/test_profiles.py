@@ -106,9 +106,12 @@ def test_float32_top_p_threshold():
 def test_fp32_underflow_with_top_p_one():
     z = [0.0, -1.0, -120.0, -130.0]  # exp(-120) underflows float32
     assert one_row(z, "exact", top_p=1.0) == [0, 1, 2, 3]
-    # vLLM's top-p pass (on as soon as the batch uses top-p) drops cumsum == 0 <= 1 - 1
-    assert one_row(z, "vllm", top_p=1.0) == [0, 1]
-    assert one_row(z, "vllm") == [0, 1, 2, 3]  # no top-p in the batch: no pass
+    # vLLM's top-p pass runs for the whole batch once a row has p < 1, and there a row with
+    # p = 1 loses the tokens at cumsum == 0 <= 1 - 1
+    rows = support([z, z], "vllm", top_p=torch.tensor([1.0, 0.999]))
+    assert rows[0] == [0, 1]
+    assert one_row(z, "vllm", top_p=1.0) == [0, 1, 2, 3]  # no row with p < 1: vLLM passes p = None
+    assert one_row(z, "vllm") == [0, 1, 2, 3]
     assert one_row(z, "hf", top_p=1.0) == [0, 1, 2, 3]  # generate adds no top-p warper at p = 1
     # SGLang samples from float32 probabilities: tokens at probability 0 cannot be drawn
     assert one_row(z, "sglang", top_p=1.0) == [0, 1]

@@ -7,8 +7,9 @@ min-p logits processor), as released in vLLM 0.32. Behaviour reproduced, operati
 - top-p on the survivors: ascending sort (torch's default, unstable sort), float32 softmax and
   float32 cumsum, drop while cumsum <= 1 - p with p held as float32 and 1 - p computed in float32,
   the largest token always kept;
-- the top-p pass runs for every row once the batch uses top-p, so a row with p = 1 still loses the
-  tokens whose float32 probability underflows to 0 (cumsum == 0 <= 1 - 1);
+- the top-p pass runs for every row once some row of the batch has p < 1 (here: of the call), so a
+  row with p = 1 in such a batch still loses the tokens whose float32 probability underflows to 0
+  (cumsum == 0 <= 1 - 1); a batch where every p is 1 has no top-p pass at all;
 - a row with no finite logit keeps nothing (softmax gives NaN, and NaN compares false).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ def keep(x: torch.Tensor, prm: RowParams) -> torch.Tensor:
         threshold = probs.amax(dim=-1, keepdim=True) * prm.min_p.to(torch.float32).unsqueeze(1)
         x.masked_fill_(probs < threshold, NEG_INF)
     k = torch.clamp(effective_k(prm.top_k, v, v), max=v) if prm.uses_top_k else None
-    if prm.uses_top_p:
+    if prm.uses_top_p and bool((prm.top_p < 1).any()):  # vLLM passes p = None when no row has p < 1
         x = _sorted_top_k_top_p(x, k, prm.top_p.to(torch.float32))
     elif k is not None:
         x = _top_k_only(x, k)
@@ -57,7 +58,8 @@ def _sorted_top_k_top_p(x: torch.Tensor, k, p32: torch.Tensor) -> torch.Tensor:
     if k is not None:
         kth = xs.gather(1, (x.shape[1] - k).unsqueeze(1))
         xs.masked_fill_(xs < kth, NEG_INF)
-    cum = xs.softmax(dim=-1).cumsum(dim=-1)
+    probs = xs.softmax(dim=-1)
+    cum = torch.cumsum(probs, dim=-1, out=probs)  # in place, as vLLM does it
     drop = cum <= (1 - p32).unsqueeze(1)
     drop[:, -1] = False
     xs.masked_fill_(drop, NEG_INF)
