@@ -105,6 +105,3 @@ def log_normaliser(x: torch.Tensor) -> torch.Tensor:
     """logsumexp over the full vocabulary (float64, rounded once), for kept_mass."""
     return torch.logsumexp(x.double(), dim=1).float()
 
-
-def row_slice(t: Optional[torch.Tensor], rows) -> Optional[torch.Tensor]:
-    return None if t is None else t[rows]
