@@ -33,7 +33,7 @@ MINIMAL = [  # the minimal rows of issue 10, as (row, params)
 ]
 
 
-def grid(n=64, v=1024, seed=0):
+def grid(n=32, v=512, seed=0):
     """LLM-like rows in float32 and rounded to bfloat16 (many ties at every cut)."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(n, v, generator=g) * 1.5
