@@ -169,6 +169,24 @@ def test_vllm_top_k_only_matches_sorted_path():
     assert [len(r) for r in only] == k.tolist()  # continuous random logits: no ties
 
 
+def test_vllm_extreme_k_and_p_values():
+    # vLLM's test_extreme_k_values / test_extreme_p_values (Triton vs the PyTorch path): k = 1
+    # keeps 1, k = V keeps all, mixed k keeps exactly k on continuous logits; p = 1 keeps all, a
+    # very small p keeps only the top token, and a p = 1 row next to p < 1 rows keeps all (no
+    # probability underflows on these logits)
+    g = torch.Generator().manual_seed(42)
+    v = 1024
+    z = torch.randn(16, v, generator=g)
+    k = torch.tensor([1, v, 2, v - 1] * 4)
+    assert [len(r) for r in support(z, "vllm", top_k=k)] == k.tolist()
+    assert [len(r) for r in support(z, "vllm", top_k=1)] == [1] * 16
+    assert [len(r) for r in support(z, "vllm", top_p=1.0)] == [v] * 16
+    assert [len(r) for r in support(z, "vllm", top_p=0.0001)] == [1] * 16
+    mixed = support(z, "vllm", top_p=torch.tensor([0.1, 0.5, 0.9, 1.0] * 4))
+    assert [len(r) for r in mixed[3::4]] == [v] * 4
+    assert all(len(a) < len(b) < len(c) < v for a, b, c in zip(mixed[0::4], mixed[1::4], mixed[2::4]))
+
+
 def test_vllm_hf_alignment_example():
     # vLLM PR #1885 ("Aligning top_p and top_k sampling") example: [0.1, 0.2, 0.3, 0.4], k = 2,
     # p = 0.5: top-k first gives (0.57, 0.43) and top-p keeps only 0.4; SGLang's joint cut keeps
