@@ -112,6 +112,7 @@ def capture_dumps(
     for p in paths:
         if os.path.exists(out) and os.path.exists(p) and os.path.samefile(p, out):
             raise DumpError(f"{out}: output would overwrite the input dump")
+    profiles.check_profile(profile)
     check_writable(out)  # fail before the long part, not after it
     flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
 
@@ -138,7 +139,8 @@ def capture_dumps(
         # closed (and cleared) on errors too, so an error line never lands after a half-drawn bar
         with tqdm(total=total, unit="rows", desc="capture", disable=not progress or None, leave=False) as bar:
             for d, (n, _), has_lp in zip(dumps, shapes, engine_lp):
-                step = chunk_rows or default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
+                step = chunk_rows or max(1, default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
+                                         // profiles.CHUNK_DIVISOR[profile])
                 for a in range(0, n, step):
                     b = min(n, a + step)
                     parts.append(_capture_chunk(d, a, b, flags, explicit, device, outside, has_lp, carried,

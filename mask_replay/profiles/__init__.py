@@ -45,6 +45,12 @@ _ENGINES = {
 }
 
 
+# The engine profiles hold about 6-7 float32-sized copies of a chunk (upcast logits, sorted values,
+# int64 sort indices, probabilities, the scattered result), the exact kernel none: chunks of saved
+# logits are this many times smaller for them, to keep the working set near the exact profile's.
+CHUNK_DIVISOR = {"exact": 1, "vllm": 8, "sglang": 8, "hf": 8}
+
+
 def check_profile(profile) -> str:
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {', '.join(PROFILES)}; got {profile!r}")
