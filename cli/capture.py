@@ -3,6 +3,9 @@ import click
 from click.core import ParameterSource
 
 from mask_replay.cli.common import CONTEXT, check_device, console, fmt, one_line_errors
+from mask_replay.cli.profiles import report_mismatch
+from mask_replay.profiles import PROFILES
+from mask_replay.profiles.mismatch import DEFAULT_TOLERANCE
 
 PARAMS = ("temperature", "top_k", "top_p", "min_p")
 
@@ -20,10 +23,15 @@ PARAMS = ("temperature", "top_k", "top_p", "min_p")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
 @click.option("--outside", type=click.Choice(["error", "flag"]), default="error", show_default=True,
               help="A sampled token outside its support: stop, or flag the row and go on.")
+@click.option("--profile", type=click.Choice(PROFILES), default="exact", show_default=True,
+              help="Whose support: exact (order-independent, ties whole) or an engine's (vllm, sglang, hf).")
+@click.option("--logprob-tol", type=click.FloatRange(min=0), default=DEFAULT_TOLERANCE, show_default=True,
+              help="Nats by which a dump's rollout_logprobs may differ from capture's before the row is reported.")
 @click.option("--resume", is_flag=True, help="Skip if OUTPUT is already the complete mask file of these inputs.")
 @click.pass_context
 @one_line_errors
-def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, device, outside, resume):
+def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, device, outside, profile,
+            logprob_tol, resume):
     """Capture the sampling support of every row of ROLLOUT dump(s) into one mask file.
 
     Sampling parameters come from each dump's own keys (temperature, top_k, top_p, min_p); the
@@ -38,18 +46,21 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
                          (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
     from mask_replay.distributed import cli as dist_cli, launch, resume as resumed
     flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
-    if resume and resumed.capture_complete(list(rollout), output, flags=flags, explicit=explicit, outside=outside):
+    if resume and resumed.capture_complete(list(rollout), output, flags=flags, explicit=explicit, outside=outside,
+                                          profile=profile):
         return
     capture_fn = dist_cli.capture_under_torchrun if launch.under_torchrun() else capture_dumps
     summary = capture_fn(
         list(rollout), output, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        explicit=explicit, chunk_rows=chunk_rows, device=device, outside=outside, progress=True)
+        explicit=explicit, chunk_rows=chunk_rows, device=device, outside=outside, progress=True,
+        profile=profile, logprob_tolerance=logprob_tol)
     if summary is None:  # under torchrun, a rank other than 0: rank 0 reports
         return
     err = console(err=True)
     for note in summary.notes:
         err.print(f"mask-replay: note: {note}")
     print_summary(summary, output)
+    report_mismatch(summary.logprob_mismatch, err)
 
 
 def print_summary(summary, output):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from mask_replay._ext import ops
-from mask_replay.mask import SEMANTICS, SamplingMask
+from mask_replay import profiles
+from mask_replay.mask import SamplingMask
 from mask_replay.params import Param, describe, expand_params
 
 
@@ -21,8 +22,14 @@ def capture(
     min_p: Param = None,
     sampled: torch.Tensor | None = None,
     outside: str = "error",
+    profile: str = "exact",
 ) -> SamplingMask:
     """Support of softmax(logits / T) after min-p, top-k and top-p, one CSR row per row of logits.
+
+    `profile` chooses whose support: "exact" (default; mask-replay's order-independent definition,
+    computed by the capture kernel) or an engine's ("vllm", "sglang", "hf": that engine's filter
+    order, float32 arithmetic and tie order; see mask_replay.profiles). The mask's metadata
+    `semantics` names the profile.
 
     With `sampled` ([N] int) the mask also carries `sampled`, `logprobs` (log-prob of the sampled
     token over the support) and `kept_mass`. A sampled token outside its support raises
@@ -34,9 +41,15 @@ def capture(
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [rows, vocab], got shape {tuple(logits.shape)}")
     n, v = logits.shape
+    profiles.check_profile(profile)
     t, k, p, mp = expand_params(n, logits.device, temperature, top_k, top_p, min_p)
-    token_ids, offsets, logz = ops.capture(logits, t, k, p, mp, sampled is not None)
-    meta = {"semantics": SEMANTICS, "vocab_size": v, "params": describe(temperature, top_k, top_p, min_p)}
+    if profile == "exact":
+        token_ids, offsets, logz = ops.capture(logits, t, k, p, mp, sampled is not None)
+    else:
+        token_ids, offsets, logz = profiles.engine_support(
+            logits, profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    meta = {"semantics": profiles.semantics(profile), "vocab_size": v,
+            "params": describe(temperature, top_k, top_p, min_p)}
     mask = SamplingMask(token_ids, offsets, metadata=meta)
     if sampled is not None:
         _attach_sampled(mask, logits, sampled, t, logz, outside)

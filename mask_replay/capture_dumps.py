@@ -13,7 +13,10 @@ from typing import Optional
 import torch
 
 from mask_replay.dumps import PARAM_KEYS, Dump, check_finite, check_sampled, shift_row
+from mask_replay import profiles
 from mask_replay.io import DumpError, check_writable
+from mask_replay.profiles.mismatch import DEFAULT_TOLERANCE, check_rows
+from mask_replay.profiles.mismatch import summarise as mismatch_summary
 
 # Target bytes of logits per chunk when --chunk-rows is not given.
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -33,6 +36,7 @@ class CaptureSummary:
     outside_rows: int = 0
     notes: list = field(default_factory=list)
     mask: Optional[object] = None  # the SamplingMask captured (kept for mask_replay.distributed)
+    logprob_mismatch: Optional[dict] = None  # mask_replay.profiles.mismatch.summarise, with rollout_logprobs
 
     def stats(self) -> dict:
         """Support-size statistics and throughput, JSON-able."""
@@ -95,13 +99,16 @@ def capture_dumps(
     outside: str = "error",
     progress: bool = True,
     rows: Optional[tuple] = None,
+    profile: str = "exact",
+    logprob_tolerance: float = DEFAULT_TOLERANCE,
 ) -> CaptureSummary:
     """Capture the masks of every row of `paths` (in order) into the mask file `out`.
 
     temperature/top_k/top_p/min_p fill rows whose dump lacks that key; names in `explicit` override
-    the dump. Errors are DumpError naming the file, key and absolute row. rows=(a, b) captures
-    only the rows [a, b) of the concatenated inputs, and out=None writes nothing (one rank's share
-    under torchrun, see mask_replay.distributed).
+    the dump. Errors are DumpError naming the file, key and absolute row. `profile` picks whose
+    support (mask_replay.profiles); dumps with rollout_logprobs are compared with it per row.
+    rows=(a, b) captures only the rows [a, b) of the concatenated inputs, and out=None writes
+    nothing (one rank's share under torchrun, see mask_replay.distributed).
     """
     out = os.fspath(out) if out is not None else os.devnull
     if not paths:
@@ -109,6 +116,7 @@ def capture_dumps(
     for p in paths:
         if os.path.exists(out) and os.path.exists(p) and os.path.samefile(p, out):
             raise DumpError(f"{out}: output would overwrite the input dump")
+    profiles.check_profile(profile)
     if out != os.devnull:
         check_writable(out)  # fail before the long part, not after it
     flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
@@ -139,10 +147,12 @@ def capture_dumps(
             for d, (n, _), has_lp in zip(dumps, shapes, engine_lp):
                 lo, hi = (0, n) if rows is None else (max(0, rows[0] - first), min(n, rows[1] - first))
                 first += n
-                step = chunk_rows or default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
+                step = chunk_rows or max(1, default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
+                                         // profiles.CHUNK_DIVISOR[profile])
                 for a in range(lo, hi, step):
                     b = min(hi, a + step)
-                    parts.append(_capture_chunk(d, a, b, flags, explicit, device, outside, has_lp, carried))
+                    parts.append(_capture_chunk(d, a, b, flags, explicit, device, outside, has_lp, carried,
+                                                profile, logprob_tolerance, any(engine_lp)))
                     bytes_read += d.nbytes("logits") * (b - a) // max(n, 1)
                     bar.update(b - a)
 
@@ -155,7 +165,13 @@ def capture_dumps(
             "logprobs_source": {os.path.basename(d.path): "rollout_logprobs" if h else "computed"
                                 for d, h in zip(dumps, engine_lp)},
             "outside": outside,
+            "semantics": profiles.semantics(profile),
         }
+        mismatch = None
+        if any(engine_lp):
+            mismatch = mismatch_summary(mask.extras["logprob_mismatch"], mask.logprobs,
+                                        mask.extras["capture_logprobs"], logprob_tolerance)
+            mask.metadata["logprob_mismatch"] = mismatch
         if out != os.devnull:
             mask.save(out)
         seconds = time.perf_counter() - t0
@@ -165,10 +181,10 @@ def capture_dumps(
     outside_rows = int(mask.extras["outside_support"].sum()) if "outside_support" in mask.extras else 0
     written = os.path.getsize(out) if out != os.devnull else 0
     return CaptureSummary(mask.num_rows, mask.nnz, vocab, mask.lengths(), bytes_read, written, seconds,
-                          outside_rows, notes, mask)
+                          outside_rows, notes, mask, mismatch)
 
 
-def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carried):
+def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carried, profile, tol, compare):
     import mask_replay
 
     logits = d.get("logits", a, b)
@@ -178,7 +194,7 @@ def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carr
         logits, sampled = logits.to(device), sampled.to(device)
         params = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
     try:
-        m = mask_replay.capture(logits, sampled=sampled, outside=outside, **params)
+        m = mask_replay.capture(logits, sampled=sampled, outside=outside, profile=profile, **params)
     except (RuntimeError, ValueError) as exc:
         # Name the defect precisely when it is in the logits; else keep the op's own words,
         # with its chunk-relative row made absolute.
@@ -193,6 +209,9 @@ def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carr
     for k in carried:
         extras[k] = d.get(k, a, b).to(torch.int64)
     extras["outside_support"] = m.extras.get("outside_support", torch.zeros(b - a, dtype=torch.bool)).cpu()
+    if compare:  # per-row cause codes; -1 for rows whose dump has no rollout_logprobs
+        extras["logprob_mismatch"] = check_rows(logits, sampled, params["temperature"], extras["logprobs"],
+                                                m.logprobs, tol) if has_lp else torch.full((b - a,), -1, dtype=torch.int8)
     return m, extras
 
 

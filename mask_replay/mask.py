@@ -220,7 +220,8 @@ class SamplingMask:
         from mask_replay import __version__
 
         meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in self.metadata.items()}
-        meta.update({"semantics": SEMANTICS, "format_version": FORMAT_VERSION, "mask_replay_version": __version__})
+        meta.setdefault("semantics", SEMANTICS)  # an engine profile names itself there (mask_replay.profiles)
+        meta.update({"format_version": FORMAT_VERSION, "mask_replay_version": __version__})
         return meta
 
     def save(self, path) -> None:

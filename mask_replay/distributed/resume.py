@@ -3,7 +3,8 @@
 Outputs are written atomically (a temporary file renamed into place), so an output that exists
 was written whole; what remains to check is that it answers *this* command:
   capture: the mask file's metadata names the same input files (in order), the same parameter
-           sources and values and the same `--outside`, and it has as many rows as the inputs;
+           sources and values, the same `--outside` and profile (semantics), and it has as many
+           rows as the inputs;
   score:   the JSON parses as a score report, and the plot exists when one is asked for.
 Anything else (missing, unreadable, made for other inputs) is recomputed and replaced.
 """
@@ -21,10 +22,11 @@ def _note(message: str) -> None:
         print(f"mask-replay: note: {message}", file=sys.stderr, flush=True)
 
 
-def capture_complete(paths, out, *, flags: dict, explicit, outside: str) -> bool:
+def capture_complete(paths, out, *, flags: dict, explicit, outside: str, profile: str = "exact") -> bool:
     """True (and a note) when `out` is the complete mask file of this capture."""
     from mask_replay.capture_dumps import _param_source
     from mask_replay.dumps import PARAM_KEYS, Dump
+    from mask_replay.profiles import semantics
 
     if not os.path.isfile(out):
         return False
@@ -38,7 +40,8 @@ def capture_complete(paths, out, *, flags: dict, explicit, outside: str) -> bool
                 params[os.path.basename(d.path)] = {k: _param_source(d, k, flags, set(explicit)) for k in PARAM_KEYS}
         same = (json.loads(meta.get("sources", "null")) == [os.path.basename(p) for p in paths]
                 and json.loads(meta.get("params", "null")) == params
-                and meta.get("outside") == outside and rows == total)
+                and meta.get("outside") == outside and meta.get("semantics") == semantics(profile)
+                and rows == total)
     except (DumpError, OSError, ValueError, KeyError):
         return False
     if same:
