@@ -70,6 +70,10 @@ def replay_logprobs(
     *,
     fallback: bool = False,
     return_status: bool = False,
+    ignore_index: int = -100,
+    loss_mask: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """Log-prob of ``sampled`` under softmax(logits / T) renormalised over each row's support.
 
@@ -78,12 +82,37 @@ def replay_logprobs(
     a per-row tensor [N]. Returns float32 [N] (float64 for float64 logits), differentiable w.r.t.
     logits; with ``return_status`` returns ``(logp, status)`` (see the module docstring).
     A row with |K| = 1 gives 0 and a zero gradient.
+
+    Trainer layouts (layouts.py): logits [B, T, V] with sampled [B, T], or packed logits
+    [total_tokens, V] with sampled [total_tokens] (and optionally ``cu_seqlens`` [S + 1]). A
+    position is ignored when its label equals ``ignore_index`` or, if given, ``loss_mask`` is 0
+    there; the mask has one row per kept position, in row-major order (``mask.align`` maps another
+    order), and a different count is an error naming both. The result has the labels' shape, 0 at
+    ignored positions (gradient 0 there), status -1 there. temperature: a scalar, one per sequence
+    ([B], or [S] with cu_seqlens) or one per position. The logits are never copied (except for
+    layouts that no strided view can address, e.g. overlapping strides). With loss_mask, sampled
+    may be None: the labels of kept positions are then ``mask.sampled``.
+
+    out_dtype: None gives float32 (float64 for float64 logits), accumulated in float32 whatever the
+    input; ``logits.dtype`` rounds the result to the logits' own dtype (e.g. bfloat16).
     """
+    from mask_replay.layouts import replay_layout
+    from mask_replay.segments import output_dtype
+
+    layout = logits.dim() == 3 or cu_seqlens is not None or loss_mask is not None
+    if not layout and isinstance(sampled, torch.Tensor) and sampled.dim() == 1 and not sampled.is_floating_point():
+        layout = bool((sampled == ignore_index).any())  # packed labels with ignored positions
+    if layout:
+        return replay_layout(logits, mask, sampled, temperature, ignore_index=ignore_index, loss_mask=loss_mask,
+                             cu_seqlens=cu_seqlens, fallback=fallback, return_status=return_status,
+                             out_dtype=out_dtype)
+    out = output_dtype(out_dtype, logits.dtype, "replay_logprobs")
     n = logits.shape[0]
     ids, offsets = _mask_tensors(mask, logits.device)
     y = _sampled(sampled, mask, n, logits.device)
     t = _temperature(temperature, n, logits.device)
     logp, _, status = ops.replay_fwd(logits, ids, offsets, y, t, bool(fallback))
+    logp = logp.to(out)
     return (logp, status) if return_status else logp
 
 
