@@ -256,6 +256,6 @@ class SamplingMask:
         e.g. 'sequence' as the engine adapters write it); the result holds each one's rows in step
         order (``extras['step']`` when present, else mask order), sequence after sequence.
         """
-        from mask_replay.layouts import align_mask
+        from mask_replay.row_order import align_mask
 
         return align_mask(self, order, sequences=sequences, key=key)

@@ -126,6 +126,8 @@ def replay_logprobs_from_hidden(
     *,
     fallback: bool = False,
     return_status: bool = False,
+    sparse_grad: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """replay_logprobs(hidden @ weight.T + bias, ...) without the [N, V] projection.
 
@@ -133,13 +135,28 @@ def replay_logprobs_from_hidden(
     computed only for the tokens of K, in forward and backward (O(nnz x d)); gradients flow to
     hidden, weight (only rows in K are non-zero) and bias. Fallback rows need the full projection
     of their own row (done densely for those rows only).
+
+    sparse_grad=True (sparse_head.py): the weight gradient is a sparse COO tensor [V, d] holding
+    only the support's rows, as nn.Embedding(sparse=True) gives, O(nnz x d) instead of a dense
+    [V, d] write; added in place into an existing dense ``weight.grad``. A fallback row's softmax
+    covers the whole vocabulary, so with fallback rows the sparse gradient has all V rows.
+    out_dtype as in replay_logprobs.
     """
+    if sparse_grad:
+        from mask_replay.sparse_head import replay_from_hidden_sparse
+
+        return replay_from_hidden_sparse(hidden, weight, mask, sampled, temperature, bias, fallback=fallback,
+                                         return_status=return_status, out_dtype=out_dtype)
+    from mask_replay.segments import output_dtype
+
+    out = output_dtype(out_dtype, hidden.dtype, "replay_logprobs_from_hidden")
     n = hidden.shape[0]
     ids, offsets = _mask_tensors(mask, hidden.device)
     y = _sampled(sampled, mask, n, hidden.device)
     t = _temperature(temperature, n, hidden.device)
     b = bias if bias is not None else hidden.new_empty((0,))
     logp, _, status = ops.hidden_fwd(hidden, weight, b, ids, offsets, y, t, bool(fallback))
+    logp = logp.to(out)
     return (logp, status) if return_status else logp
 
 

@@ -94,16 +94,18 @@ def segment_sum(values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tenso
 
 
 def log_probs_over_support(x: torch.Tensor, rows: torch.Tensor, n: int):
-    """(log q [nnz], q [nnz], alive [n]): the support's log-softmax per row. alive is False for a
-    row that is empty or whose logits in K are all -inf: it has no distribution, and its entries
-    get q = 0 and log q = 0 so that nothing downstream (values or gradients) becomes NaN."""
+    """(log q [nnz], q [nnz], positive [nnz], alive [n]): the support's log-softmax per row.
+    alive is False for a row that is empty or whose logits in K are all -inf: it has no
+    distribution. Entries with q = 0 (positive False: a -inf logit, or a dead row) get log q = 0,
+    a stand-in, so that nothing downstream (values or gradients) becomes NaN; callers that need
+    the true -inf read `positive`."""
     lse = segment_logsumexp(x, rows, n)
     alive = lse > float("-inf")
     entry_alive = alive[rows] & (x > float("-inf"))
     safe_lse = torch.where(alive, lse, torch.zeros_like(lse))
     logq = torch.where(entry_alive, x - safe_lse[rows], torch.zeros_like(x))
     q = torch.where(entry_alive, torch.exp(logq), torch.zeros_like(x))
-    return logq, q, alive
+    return logq, q, entry_alive, alive
 
 
 def output_dtype(out_dtype: Optional[torch.dtype], input_dtype: torch.dtype, op: str) -> torch.dtype:

@@ -1,0 +1,131 @@
+"""The sparse LM head with a sparse weight gradient: replay from hidden states where the weight's
+gradient is a sparse COO tensor over the support's rows, as nn.Embedding(sparse=True) gives.
+
+The support's logits are gathered as x_e = <hidden[row_e], weight[id_e]> (+ bias[id_e]), with the
+weight rows read through F.embedding(sparse=True): autograd then returns the weight gradient as
+O(nnz x d) values instead of writing a dense [V, d] tensor. Accumulation: when ``weight.grad``
+already holds a dense tensor, autograd's AccumulateGrad adds the sparse gradient into it in place
+(``grad += sparse``, no second dense tensor); when it is None, ``weight.grad`` becomes the sparse
+tensor itself (optimizers then need sparse support, e.g. SGD or SparseAdam, or densify it).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mask_replay.segments import (
+    compute_dtype,
+    csr,
+    output_dtype,
+    row_temperature,
+    segment_logsumexp,
+    segment_sum,
+)
+
+REPLAYED, FELL_BACK_OUTSIDE, FELL_BACK_EMPTY = 0, 1, 2
+
+
+def check_head(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"{op}: hidden must be a 2-D tensor [rows, d]")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be a 2-D tensor [vocab, d]")
+    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"{op}: hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"{op}: weight is {weight.dtype} but hidden is {hidden.dtype}; they must match")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"{op}: weight has d = {weight.shape[1]} but hidden has d = {hidden.shape[1]}")
+    if weight.device != hidden.device:
+        raise ValueError(f"{op}: weight is on {weight.device} but hidden is on {hidden.device}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or bias.dtype != hidden.dtype
+                             or bias.device != hidden.device):
+        raise ValueError(f"{op}: bias must be [{weight.shape[0]}] of hidden's dtype and device, got "
+                         f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
+
+
+def support_logits(hidden, weight, bias, rows, ids, *, sparse_grad: bool) -> torch.Tensor:
+    """x_e = <hidden[rows_e], weight[ids_e]> + bias[ids_e] in the compute dtype ([nnz]), reading
+    only the support's weight rows (O(nnz x d)); sparse_grad makes the weight gradient sparse."""
+    acc = compute_dtype(hidden.dtype)
+    w = F.embedding(ids, weight, sparse=sparse_grad)
+    h = hidden.index_select(0, rows)
+    x = torch.einsum("ed,ed->e", h.to(acc), w.to(acc))
+    if bias is not None:
+        x = x + bias[ids].to(acc)
+    return x
+
+
+class _FullProjection(torch.autograd.Function):
+    """hidden_f @ weight.T + bias for the few fallback rows; with sparse_grad the weight gradient
+    (dense over the vocabulary by nature: a full softmax touches every row) is still returned as a
+    sparse COO tensor, so that weight.grad keeps one layout."""
+
+    @staticmethod
+    def forward(ctx, hidden_f, weight, bias, sparse_grad):
+        ctx.save_for_backward(hidden_f, weight)
+        ctx.sparse_grad, ctx.has_bias = sparse_grad, bias is not None
+        z = hidden_f @ weight.T
+        return z + bias if bias is not None else z
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden_f, weight = ctx.saved_tensors
+        gh = g @ weight
+        gw = g.T @ hidden_f
+        if ctx.sparse_grad:
+            idx = torch.arange(weight.shape[0], device=weight.device)[None]
+            gw = torch.sparse_coo_tensor(idx, gw, weight.shape, is_coalesced=True, check_invariants=False)
+        return gh, gw, (g.sum(0) if ctx.has_bias else None), None
+
+
+def replay_from_hidden_sparse(hidden, weight, mask, sampled, temperature=1.0, bias=None, *, fallback=False,
+                              return_status=False, out_dtype=None):
+    """replay_logprobs_from_hidden with a sparse weight gradient (see the module docstring)."""
+    op = "replay_logprobs_from_hidden"
+    check_head(op, hidden, weight, bias)
+    n, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
+    out = output_dtype(out_dtype, hidden.dtype, op)
+    ids, offsets, rows = csr(mask, n, vocab, device, op)
+    t = row_temperature(temperature, n, device, op)
+    if sampled is None:
+        if mask.sampled is None:
+            raise ValueError(f"{op}: sampled is required (the mask carries no sampled tokens)")
+        sampled = mask.sampled
+    if (not isinstance(sampled, torch.Tensor) or sampled.shape != (n,) or sampled.is_floating_point()
+            or sampled.dtype == torch.bool):
+        raise ValueError(f"{op}: sampled must be an integer tensor of shape [{n}]")
+    y = sampled.to(device=device, dtype=torch.int64)
+    bad = (y < 0) | (y >= vocab)
+    if bool(bad.any()):
+        r = int(torch.nonzero(bad)[0])
+        raise ValueError(f"{op}: sampled token {int(y[r])} of row {r} is out of range [0, {vocab})")
+
+    is_y = ids == y[rows]
+    lengths = offsets[1:] - offsets[:-1]
+    found = segment_sum(is_y.to(torch.int64), rows, n) > 0
+    status = torch.where(lengths == 0, FELL_BACK_EMPTY, torch.where(found, REPLAYED, FELL_BACK_OUTSIDE))
+    status = status.to(torch.int8)
+    if not fallback and bool((status != REPLAYED).any()):
+        r = int(torch.nonzero(status != REPLAYED)[0])
+        if int(status[r]) == FELL_BACK_EMPTY:
+            raise ValueError(f"{op}: row {r} has an empty support; pass fallback=True to use the full vocabulary")
+        raise ValueError(f"{op}: sampled token {int(y[r])} is outside the support of row {r} "
+                         f"({int(lengths[r])} tokens); pass fallback=True to use the full vocabulary for such rows")
+
+    x = support_logits(hidden, weight, bias, rows, ids, sparse_grad=True) / t[rows].to(compute_dtype(hidden.dtype))
+    lse = segment_logsumexp(x, rows, n)
+    x_y = segment_sum(torch.where(is_y, x, torch.zeros_like(x)), rows, n)
+    replayed = status == REPLAYED
+    # Rows that fall back have lse = -inf (empty) or x_y = 0 (outside): masked before subtracting.
+    logp = torch.where(replayed, x_y - torch.where(replayed, lse, torch.zeros_like(lse)), torch.zeros_like(lse))
+    fb = torch.nonzero(~replayed)[:, 0]
+    if fb.numel():
+        z = _FullProjection.apply(hidden.index_select(0, fb), weight, bias, True)
+        xf = z.to(x.dtype) / t[fb, None].to(x.dtype)
+        lp_f = torch.log_softmax(xf, dim=1).gather(1, y[fb, None])[:, 0]
+        logp = logp.index_put((fb,), lp_f)
+    logp = logp.to(out)
+    return (logp, status) if return_status else logp
