@@ -86,7 +86,11 @@ def segment_logsumexp(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tens
     m = m.scatter_reduce(0, rows, x.detach(), reduce="amax", include_self=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     s = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, rows, torch.exp(x - m[rows]))
-    return m + torch.log(s)
+    # s = 0 (nothing finite) is -inf, selected after the log of a stand-in 1: log(0) would send
+    # 0 * inf = NaN back through its gradient.
+    none = s == 0
+    lse = m + torch.log(torch.where(none, torch.ones_like(s), s))
+    return torch.where(none, torch.full_like(s, float("-inf")), lse)
 
 
 def segment_sum(values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -100,7 +104,7 @@ def log_probs_over_support(x: torch.Tensor, rows: torch.Tensor, n: int):
     a stand-in, so that nothing downstream (values or gradients) becomes NaN; callers that need
     the true -inf read `positive`."""
     lse = segment_logsumexp(x, rows, n)
-    alive = lse > float("-inf")
+    alive = lse != float("-inf")  # NaN rows stay alive: their NaN must reach the result
     entry_alive = alive[rows] & (x > float("-inf"))
     safe_lse = torch.where(alive, lse, torch.zeros_like(lse))
     logq = torch.where(entry_alive, x - safe_lse[rows], torch.zeros_like(x))
