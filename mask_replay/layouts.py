@@ -162,6 +162,33 @@ def _describe(position: int, shape, cu: Optional[torch.Tensor]) -> str:
     return f"token {position}"
 
 
+def _rows_csr(mask, kept_rows, r: int, y_kept, t_kept):
+    """The CSR over every row of the view: the mask's rows at kept positions, {0} (label 0,
+    temperature 1: log-prob 0, gradient 0) at every other row. O(nnz + rows)."""
+    device = kept_rows.device
+    n = kept_rows.numel()
+    m_off = mask.offsets.to(device=device, dtype=torch.int64)
+    m_len = m_off[1:] - m_off[:-1]
+    if bool((m_len < 0).any()) or int(m_off[0]) != 0 or int(m_off[-1]) != mask.nnz:
+        raise ValueError("replay_logprobs: the mask's offsets are not a valid CSR (see SamplingMask.validate)")
+    lengths = torch.ones(r, dtype=torch.int64, device=device)
+    lengths[kept_rows] = m_len
+    offsets = torch.zeros(r + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    ids = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=device)
+    if mask.nnz:
+        m_rows = torch.repeat_interleave(torch.arange(n, device=device), m_len, output_size=mask.nnz)
+        dest = offsets[kept_rows][m_rows] + torch.arange(mask.nnz, device=device) - m_off[m_rows]
+        ids[dest] = mask.token_ids.to(device=device, dtype=torch.int32)
+    y = torch.zeros(r, dtype=torch.int64, device=device)
+    y[kept_rows] = y_kept
+    t = torch.ones(r, dtype=torch.float32, device=device)
+    t[kept_rows] = t_kept
+    is_dummy = torch.ones(r, dtype=torch.bool, device=device)
+    is_dummy[kept_rows] = False
+    return ids, offsets, y, t, torch.nonzero(is_dummy)[:, 0]
+
+
 def replay_layout(logits, mask, sampled, temperature, *, ignore_index=-100, loss_mask=None, cu_seqlens=None,
                   fallback=False, return_status=False, out_dtype=None):
     """replay_logprobs over a trainer batch; see replay.replay_logprobs for the contract."""
@@ -203,29 +230,7 @@ def replay_layout(logits, mask, sampled, temperature, *, ignore_index=-100, loss
     rows_map = _rows_of(logits)
     pos_rows = rows_map.positions(shape, device)
     kept_rows = pos_rows[kept_pos]
-    r = rows_map.count
-    # The full CSR over every row of the view: mask rows where positions are kept, {0} elsewhere.
-    lengths = torch.ones(r, dtype=torch.int64, device=device)
-    m_off = mask.offsets.to(device=device, dtype=torch.int64)
-    m_len = m_off[1:] - m_off[:-1]
-    if bool((m_len < 0).any()) or int(m_off[0]) != 0 or int(m_off[-1]) != mask.nnz:
-        raise ValueError("replay_logprobs: the mask's offsets are not a valid CSR (see SamplingMask.validate)")
-    lengths[kept_rows] = m_len
-    offsets = torch.zeros(r + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    nnz_full = int(offsets[-1])
-    ids = torch.zeros(nnz_full, dtype=torch.int32, device=device)
-    if mask.nnz:
-        m_rows = torch.repeat_interleave(torch.arange(n, device=device), m_len, output_size=mask.nnz)
-        dest = offsets[kept_rows][m_rows] + torch.arange(mask.nnz, device=device) - m_off[m_rows]
-        ids[dest] = mask.token_ids.to(device=device, dtype=torch.int32)
-    y = torch.zeros(r, dtype=torch.int64, device=device)
-    y[kept_rows] = y_kept
-    t = torch.ones(r, dtype=torch.float32, device=device)
-    t[kept_rows] = t_kept
-    is_dummy = torch.ones(r, dtype=torch.bool, device=device)
-    is_dummy[kept_rows] = False
-    dummy_rows = torch.nonzero(is_dummy)[:, 0]
+    ids, offsets, y, t, dummy_rows = _rows_csr(mask, kept_rows, rows_map.count, y_kept, t_kept)
 
     try:
         logp_rows, status_rows = _RowsReplay.apply(logits, rows_map, ids, offsets, y, t, bool(fallback), dummy_rows)

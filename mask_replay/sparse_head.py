@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from mask_replay.segments import (
     compute_dtype,
@@ -49,14 +48,60 @@ def check_head(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias: Option
 def support_logits(hidden, weight, bias, rows, ids, *, sparse_grad: bool) -> torch.Tensor:
     """x_e = <hidden[rows_e], weight[ids_e]> + bias[ids_e] in the compute dtype ([nnz]), reading
     only the support's weight rows (O(nnz x d)); sparse_grad makes the weight gradient sparse."""
-    acc = compute_dtype(hidden.dtype)
-    w = F.embedding(ids, weight, sparse=sparse_grad)
-    h = hidden.index_select(0, rows)
-    # A row-wise dot as multiply + sum: einsum would route it to nnz tiny batched matmuls.
-    x = (h.to(acc) * w.to(acc)).sum(-1)
+    x = _SupportDot.apply(hidden, weight, rows, ids, sparse_grad)
     if bias is not None:
-        x = x + bias[ids].to(acc)
+        x = x + bias[ids].to(x.dtype)
     return x
+
+
+def _chunk(device: torch.device, nnz: int, d: int) -> int:
+    """Entries per step. On the CPU, [chunk, d] temporaries of 8 MiB or less stay in the allocator's
+    heap; whole [nnz, d] ones (32 MiB at nnz = 8192, d = 1024) are fresh mmaps whose page faults
+    cost more than the arithmetic. CUDA's caching allocator has no such cost: one step."""
+    if device.type != "cpu":
+        return max(nnz, 1)
+    return max(1, (8 << 20) // (4 * max(d, 1)))
+
+
+class _SupportDot(torch.autograd.Function):
+    """x_e = <hidden[rows_e], weight[ids_e]>, and its gradients: hidden's by a segment sum,
+    weight's as the O(nnz x d) values of a sparse COO tensor (or added into a dense one)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, rows, ids, sparse_grad):
+        acc = compute_dtype(hidden.dtype)
+        nnz = ids.numel()
+        x = torch.empty(nnz, dtype=acc, device=hidden.device)
+        step = _chunk(hidden.device, nnz, hidden.shape[1])
+        for lo in range(0, nnz, step):
+            r, i = rows[lo:lo + step], ids[lo:lo + step]
+            torch.sum(hidden.index_select(0, r).to(acc) * weight.index_select(0, i).to(acc), dim=1, out=x[lo:lo + step])
+        ctx.save_for_backward(hidden, weight, rows, ids)
+        ctx.sparse_grad = sparse_grad
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        hidden, weight, rows, ids = ctx.saved_tensors
+        acc = g.dtype
+        nnz, d = ids.numel(), hidden.shape[1]
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if ctx.needs_input_grad[0] else None
+        values = torch.empty((nnz, d), dtype=weight.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        step = _chunk(hidden.device, nnz, d)
+        for lo in range(0, nnz, step):
+            r, i, gc = rows[lo:lo + step], ids[lo:lo + step], g[lo:lo + step, None]
+            if grad_h is not None:
+                grad_h.index_add_(0, r, gc * weight.index_select(0, i).to(acc))
+            if values is not None:
+                values[lo:lo + step] = gc * hidden.index_select(0, r).to(acc)
+        grad_w = None
+        if values is not None:
+            if ctx.sparse_grad:
+                grad_w = torch.sparse_coo_tensor(ids[None], values, weight.shape, check_invariants=False)
+            else:
+                grad_w = torch.zeros_like(weight).index_add_(0, ids, values)
+        return (grad_h.to(hidden.dtype) if grad_h is not None else None), grad_w, None, None, None
 
 
 class _FullProjection(torch.autograd.Function):

@@ -88,6 +88,27 @@ def test_accumulates_in_place_into_an_existing_dense_grad():
     torch.testing.assert_close(weight.grad, earlier + w_dense.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_backward_allocates_nothing_of_the_weight_s_size():
+    """Memory not doubled: with weight.grad already dense, no allocation of the backward comes
+    near V x d (the profiler records every CPU allocation); the dense path's does, as a control."""
+    from torch.profiler import ProfilerActivity, profile
+
+    v, d = 4000, 64
+    h, w, b, mask, y, t = make(8, v, d, seed=7, dtype=torch.float32)
+    dense_bytes = v * d * 4
+
+    def largest_allocation(sparse_grad):
+        weight = w.clone().requires_grad_(True)
+        weight.grad = torch.zeros_like(weight)
+        loss = mr.replay_logprobs_from_hidden(h, weight, mask, y, t, sparse_grad=sparse_grad).sum()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss.backward()
+        return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+    assert largest_allocation(sparse_grad=False) >= dense_bytes  # the control sees the dense gradient
+    assert largest_allocation(sparse_grad=True) < dense_bytes // 10
+
+
 def test_fresh_grad_is_sparse_and_sgd_steps_like_dense():
     h, w, b, mask, y, t = make(10, 50, 4, seed=4, dtype=torch.float32)
     ws, wd = w.clone().requires_grad_(True), w.clone().requires_grad_(True)
