@@ -117,9 +117,9 @@ def support_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, mask, temperature
 def _head_logits(op, hidden, weight, bias, mask, temperature, sparse_grad, name=""):
     check_head(op + name, hidden, weight, bias)
     n = hidden.shape[0]
-    ids, _, rows = csr(mask, n, weight.shape[0], hidden.device, op)
+    ids, offsets, rows = csr(mask, n, weight.shape[0], hidden.device, op)
     t = row_temperature(temperature, n, hidden.device, op).to(compute_dtype(hidden.dtype))
-    return support_logits(hidden, weight, bias, rows, ids, sparse_grad=sparse_grad) / t[rows], rows, n
+    return support_logits(hidden, weight, bias, offsets, rows, ids, sparse_grad=sparse_grad) / t[rows], rows, n
 
 
 def support_entropy_from_hidden(hidden, weight, mask, temperature=1.0, bias=None, *, sparse_grad: bool = False,
