@@ -167,3 +167,19 @@ def test_hypothesis_sparse_equals_dense(n, v, d, seed, with_fallback):
     assert st_s.tolist() == st_d.tolist()
     for a, r in zip(gs, gd):
         torch.testing.assert_close(a.to_dense() if a.is_sparse else a, r, rtol=0, atol=1e-12)
+
+
+def test_gather_path_equals_fused_csr_path(monkeypatch):
+    """The CPU runs fp32/fp64 through torch's CSR kernels and everything else (bf16/fp16, CUDA)
+    through chunked gathers: both give the same values and gradients (fp64, with fallback rows)."""
+    import mask_replay.sparse_head as sh
+
+    h, w, b, mask, y, t = make(12, 40, 5, seed=8, outside=(4,), empty=(7,))
+    fused = run(h, w, b, mask, y, t, sparse_grad=True, fallback=True)
+    monkeypatch.setattr(sh, "_fused_csr", lambda _t: False)
+    monkeypatch.setattr(sh, "_chunk", lambda device, nnz, d: 3)  # several steps, a ragged last one
+    gathered = run(h, w, b, mask, y, t, sparse_grad=True, fallback=True)
+    torch.testing.assert_close(fused[0], gathered[0], rtol=0, atol=1e-12)
+    for a, r in zip(fused[2], gathered[2]):
+        torch.testing.assert_close(a.to_dense() if a.is_sparse else a, r.to_dense() if r.is_sparse else r,
+                                   rtol=0, atol=1e-12)
