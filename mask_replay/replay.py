@@ -19,7 +19,10 @@ from typing import Optional, Union
 import torch
 
 from mask_replay._ext import ops
+from mask_replay.layouts import replay_layout
 from mask_replay.mask import SamplingMask
+from mask_replay.segments import output_dtype
+from mask_replay.sparse_head import replay_from_hidden_sparse
 
 Temperature = Union[float, int, torch.Tensor]
 
@@ -84,7 +87,7 @@ def replay_logprobs(
     A row with |K| = 1 gives 0 and a zero gradient.
 
     Trainer layouts (layouts.py): logits [B, T, V] with sampled [B, T], or packed logits
-    [total_tokens, V] with sampled [total_tokens] (and optionally ``cu_seqlens`` [S + 1]). A
+    [total_tokens, V] with sampled [total_tokens] and ``cu_seqlens`` [S + 1] (or a loss_mask). A
     position is ignored when its label equals ``ignore_index`` or, if given, ``loss_mask`` is 0
     there; the mask has one row per kept position, in row-major order (``mask.align`` maps another
     order), and a different count is an error naming both. The result has the labels' shape, 0 at
@@ -96,13 +99,8 @@ def replay_logprobs(
     out_dtype: None gives float32 (float64 for float64 logits), accumulated in float32 whatever the
     input; ``logits.dtype`` rounds the result to the logits' own dtype (e.g. bfloat16).
     """
-    from mask_replay.layouts import replay_layout
-    from mask_replay.segments import output_dtype
-
-    layout = logits.dim() == 3 or cu_seqlens is not None or loss_mask is not None
-    if not layout and isinstance(sampled, torch.Tensor) and sampled.dim() == 1 and not sampled.is_floating_point():
-        layout = bool((sampled == ignore_index).any())  # packed labels with ignored positions
-    if layout:
+    # Decided from arguments only (no look at the values): torch.compile traces either path whole.
+    if logits.dim() == 3 or cu_seqlens is not None or loss_mask is not None:
         return replay_layout(logits, mask, sampled, temperature, ignore_index=ignore_index, loss_mask=loss_mask,
                              cu_seqlens=cu_seqlens, fallback=fallback, return_status=return_status,
                              out_dtype=out_dtype)
@@ -143,12 +141,8 @@ def replay_logprobs_from_hidden(
     out_dtype as in replay_logprobs.
     """
     if sparse_grad:
-        from mask_replay.sparse_head import replay_from_hidden_sparse
-
         return replay_from_hidden_sparse(hidden, weight, mask, sampled, temperature, bias, fallback=fallback,
                                          return_status=return_status, out_dtype=out_dtype)
-    from mask_replay.segments import output_dtype
-
     out = output_dtype(out_dtype, hidden.dtype, "replay_logprobs_from_hidden")
     n = hidden.shape[0]
     ids, offsets = _mask_tensors(mask, hidden.device)

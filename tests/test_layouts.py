@@ -148,8 +148,9 @@ def test_packed_with_cu_seqlens_and_per_sequence_temperature(device):
     got = mr.replay_logprobs(logits, mask, labels, temp_seq, cu_seqlens=cu)
     temp_pos = torch.repeat_interleave(temp_seq, cu[1:] - cu[:-1])
     torch.testing.assert_close(got, reference(logits, mask, labels, temp_pos), rtol=0, atol=1e-12)
-    # per-position temperature, and packed labels with -100 but no cu_seqlens: same answer
-    torch.testing.assert_close(mr.replay_logprobs(logits, mask, labels, temp_pos), got, rtol=0, atol=0)
+    # per-position temperature, and packed labels told apart by a loss_mask alone: same answer
+    torch.testing.assert_close(mr.replay_logprobs(logits, mask, labels, temp_pos, loss_mask=labels != -100), got,
+                               rtol=0, atol=0)
     z = logits.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda z: mr.replay_logprobs(z, mask, labels, temp_seq, cu_seqlens=cu), (z,))
 
