@@ -18,6 +18,7 @@ import torch
 
 from mask_replay._ext import ops
 from mask_replay.mask import SamplingMask
+from mask_replay.segments import output_dtype
 
 IGNORED = -1  # status of a position without a mask row (replay's own codes are 0, 1, 2)
 
@@ -192,8 +193,6 @@ def _rows_csr(mask, kept_rows, r: int, y_kept, t_kept):
 def replay_layout(logits, mask, sampled, temperature, *, ignore_index=-100, loss_mask=None, cu_seqlens=None,
                   fallback=False, return_status=False, out_dtype=None):
     """replay_logprobs over a trainer batch; see replay.replay_logprobs for the contract."""
-    from mask_replay.segments import output_dtype
-
     if not isinstance(mask, SamplingMask):
         raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
     if logits.dim() not in (2, 3):

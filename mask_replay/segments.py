@@ -15,7 +15,7 @@ from mask_replay.mask import SamplingMask
 
 def csr(mask: SamplingMask, n: int, vocab: int, device, op: str):
     """(token_ids int64 [nnz], offsets int64 [n + 1], row of each entry int64 [nnz]) on device,
-    after checking the mask against n rows and a vocabulary of `vocab` (one host sync)."""
+    after checking the mask against n rows and a vocabulary of `vocab` (two host syncs)."""
     if not isinstance(mask, SamplingMask):
         raise TypeError(f"{op}: mask must be a SamplingMask, got {type(mask).__name__}")
     if mask.num_rows != n:
@@ -24,8 +24,7 @@ def csr(mask: SamplingMask, n: int, vocab: int, device, op: str):
     offsets = mask.offsets.to(device=device, dtype=torch.int64)
     lengths = offsets[1:] - offsets[:-1]
     nnz = ids.numel()
-    # One flag per defect, read back at once: a single synchronisation for the whole check.
-    starts = torch.zeros(nnz, dtype=torch.bool, device=device)
+    # One flag per defect of the offsets, read back at once (one synchronisation).
     flags = torch.stack([
         offsets[0] != 0,
         (lengths < 0).any(),
@@ -37,6 +36,7 @@ def csr(mask: SamplingMask, n: int, vocab: int, device, op: str):
                          f"decreasing: {bool(flags[1])})")
     rows = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=nnz)
     if nnz:
+        starts = torch.zeros(nnz, dtype=torch.bool, device=device)  # first entry of a row
         inner = offsets[1:-1]
         starts[inner[inner < nnz]] = True
         starts[0] = True
