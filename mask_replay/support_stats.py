@@ -11,6 +11,7 @@ with p_j > 0 but r_j = 0 makes the KL +inf. NaN or +inf logits give NaN. Results
 (float64 for float64 input), accumulated in float32 whatever the input; ``out_dtype`` as in
 replay_logprobs. Logits may be [N, V], or [B, T, V] with a ``loss_mask`` [B, T] naming the
 positions the mask's rows belong to (row-major; the result is then [B, T], 0 elsewhere).
+temperature: a scalar or one value per mask row.
 The *_from_hidden variants take the LM head's input and weight and never form [N, V] logits.
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _place(values, placement, dtype):
 
 
 def _entropy(x, rows, n):
-    logq, q, _, alive = log_probs_over_support(x, rows, n)
+    logq, q, _, _ = log_probs_over_support(x, rows, n)
     return -segment_sum(q * logq, rows, n)  # dead rows and -inf entries have q = 0 and log q = 0
 
 
