@@ -14,6 +14,12 @@ from mask_replay.replay import (  # noqa: E402
     replay_logprobs,
     replay_logprobs_from_hidden,
 )
+from mask_replay.support_stats import (  # noqa: E402
+    support_entropy,
+    support_entropy_from_hidden,
+    support_kl,
+    support_kl_from_hidden,
+)
 
 __all__ = [
     "__version__",
@@ -27,4 +33,8 @@ __all__ = [
     "replay_logprobs_from_hidden",
     "full_logprobs",
     "kept_mass",
+    "support_entropy",
+    "support_kl",
+    "support_entropy_from_hidden",
+    "support_kl_from_hidden",
 ]

@@ -276,3 +276,17 @@ class SamplingMask:
         from mask_replay.adapters.padded import padded_parts
 
         return cls(**vars(padded_parts(ids, counts, **kwargs)))
+
+    # ---- trainer order -----------------------------------------------------------------------
+    def align(self, order: Optional[torch.Tensor] = None, *, sequences=None, key: str = "sequence") -> "SamplingMask":
+        """The rows reordered to a trainer's order, for replay over a batch laid out differently.
+
+        order: integer tensor, any shape, read row-major: for each trainer position the mask row
+        it replays, or -1 for a position without one (ignored); the result has one row per entry
+        >= 0, in that order. sequences: the trainer's sequences by their id (``extras[key]``,
+        e.g. 'sequence' as the engine adapters write it); the result holds each one's rows in token
+        order (``extras['position']`` when present, else mask order), sequence after sequence.
+        """
+        from mask_replay.row_order import align_mask
+
+        return align_mask(self, order, sequences=sequences, key=key)

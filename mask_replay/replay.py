@@ -19,7 +19,10 @@ from typing import Optional, Union
 import torch
 
 from mask_replay._ext import ops
+from mask_replay.layouts import replay_layout
 from mask_replay.mask import SamplingMask
+from mask_replay.segments import output_dtype
+from mask_replay.sparse_head import replay_from_hidden_sparse
 
 Temperature = Union[float, int, torch.Tensor]
 
@@ -70,6 +73,10 @@ def replay_logprobs(
     *,
     fallback: bool = False,
     return_status: bool = False,
+    ignore_index: int = -100,
+    loss_mask: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """Log-prob of ``sampled`` under softmax(logits / T) renormalised over each row's support.
 
@@ -78,12 +85,32 @@ def replay_logprobs(
     a per-row tensor [N]. Returns float32 [N] (float64 for float64 logits), differentiable w.r.t.
     logits; with ``return_status`` returns ``(logp, status)`` (see the module docstring).
     A row with |K| = 1 gives 0 and a zero gradient.
+
+    Trainer layouts (layouts.py): logits [B, T, V] with sampled [B, T], or packed logits
+    [total_tokens, V] with sampled [total_tokens] and ``cu_seqlens`` [S + 1] (or a loss_mask). A
+    position is ignored when its label equals ``ignore_index`` or, if given, ``loss_mask`` is 0
+    there; the mask has one row per kept position, in row-major order (``mask.align`` maps another
+    order), and a different count is an error naming both. The result has the labels' shape, 0 at
+    ignored positions (gradient 0 there), status -1 there. temperature: a scalar, one per sequence
+    ([B], or [S] with cu_seqlens) or one per position. The logits are never copied (except for
+    layouts that no strided view can address, e.g. overlapping strides). With loss_mask, sampled
+    may be None: the labels of kept positions are then ``mask.sampled``.
+
+    out_dtype: None gives float32 (float64 for float64 logits), accumulated in float32 whatever the
+    input; ``logits.dtype`` rounds the result to the logits' own dtype (e.g. bfloat16).
     """
+    # Decided from arguments only (no look at the values): torch.compile traces either path whole.
+    if logits.dim() == 3 or cu_seqlens is not None or loss_mask is not None:
+        return replay_layout(logits, mask, sampled, temperature, ignore_index=ignore_index, loss_mask=loss_mask,
+                             cu_seqlens=cu_seqlens, fallback=fallback, return_status=return_status,
+                             out_dtype=out_dtype)
+    out = output_dtype(out_dtype, logits.dtype, "replay_logprobs")
     n = logits.shape[0]
     ids, offsets = _mask_tensors(mask, logits.device)
     y = _sampled(sampled, mask, n, logits.device)
     t = _temperature(temperature, n, logits.device)
     logp, _, status = ops.replay_fwd(logits, ids, offsets, y, t, bool(fallback))
+    logp = logp.to(out)
     return (logp, status) if return_status else logp
 
 
@@ -97,6 +124,8 @@ def replay_logprobs_from_hidden(
     *,
     fallback: bool = False,
     return_status: bool = False,
+    sparse_grad: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """replay_logprobs(hidden @ weight.T + bias, ...) without the [N, V] projection.
 
@@ -104,13 +133,24 @@ def replay_logprobs_from_hidden(
     computed only for the tokens of K, in forward and backward (O(nnz x d)); gradients flow to
     hidden, weight (only rows in K are non-zero) and bias. Fallback rows need the full projection
     of their own row (done densely for those rows only).
+
+    sparse_grad=True (sparse_head.py): the weight gradient is a sparse COO tensor [V, d] holding
+    only the support's rows, as nn.Embedding(sparse=True) gives, O(nnz x d) instead of a dense
+    [V, d] write; added in place into an existing dense ``weight.grad``. A fallback row's softmax
+    covers the whole vocabulary, so with fallback rows the sparse gradient has all V rows.
+    out_dtype as in replay_logprobs.
     """
+    if sparse_grad:
+        return replay_from_hidden_sparse(hidden, weight, mask, sampled, temperature, bias, fallback=fallback,
+                                         return_status=return_status, out_dtype=out_dtype)
+    out = output_dtype(out_dtype, hidden.dtype, "replay_logprobs_from_hidden")
     n = hidden.shape[0]
     ids, offsets = _mask_tensors(mask, hidden.device)
     y = _sampled(sampled, mask, n, hidden.device)
     t = _temperature(temperature, n, hidden.device)
     b = bias if bias is not None else hidden.new_empty((0,))
     logp, _, status = ops.hidden_fwd(hidden, weight, b, ids, offsets, y, t, bool(fallback))
+    logp = logp.to(out)
     return (logp, status) if return_status else logp
 
 
