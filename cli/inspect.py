@@ -6,15 +6,17 @@ from mask_replay.cli.common import CONTEXT, console, fmt, one_line_errors
 
 @click.command(context_settings=CONTEXT)
 @click.argument("file", type=click.Path())
+@click.option("--force", is_flag=True,
+              help="Read .npz members that declare more than 1 GiB compressed (a zip bomb guard).")
 @one_line_errors
-def inspect(file):
+def inspect(file, force):
     """Keys, shapes, dtypes and rows of FILE; support statistics when it is a mask file."""
     from rich.table import Table
 
     from mask_replay.dumps import Dump
-    from mask_replay.inspect_file import describe
+    from mask_replay.inspect_file import INFLATE_LIMIT, describe
 
-    with Dump(file) as d:
+    with Dump(file, inflate_limit=None if force else INFLATE_LIMIT) as d:
         info = describe(d)
     out = console()
     table = Table(title=f"{file}: {info['kind']}", title_justify="left")

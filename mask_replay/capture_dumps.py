@@ -1,7 +1,10 @@
 """Capture over rollout dump files: stream rows in chunks through mask_replay.capture, write one mask file.
 
-Memory is bounded by one chunk of logits (the dumps are sliced lazily); the mask itself (int32 ids,
-a few per row) and the per-row extras are accumulated and written once, atomically, at the end.
+Memory is bounded by one chunk, whatever the support widths: logits are read chunk by chunk (pread,
+see dumps.py), and each chunk's mask goes straight into the output file (safetensors_io.StreamWriter:
+per-row keys at their place, `token_ids` appended, the header written last). What stays in memory
+for the whole run is 9 bytes per row (support sizes for the summary, the outside-support flags).
+The file is built under a temp name and renamed onto the output only when complete.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from typing import Optional
 import torch
 
 from mask_replay.dumps import PARAM_KEYS, Dump, check_finite, check_sampled, shift_row
-from mask_replay.io import DumpError, check_writable
+from mask_replay.io import DumpError, atomic_file, check_distinct, check_writable
+from mask_replay.safetensors_io import StreamWriter
 
 # Target bytes of logits per chunk when --chunk-rows is not given.
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -102,14 +106,14 @@ def capture_dumps(
     out = os.fspath(out)
     if not paths:
         raise DumpError("capture: no input files given")
-    for p in paths:
-        if os.path.exists(out) and os.path.exists(p) and os.path.samefile(p, out):
-            raise DumpError(f"{out}: output would overwrite the input dump")
+    check_distinct([("dump", p) for p in paths], [("the output", out)])
     check_writable(out)  # fail before the long part, not after it
     flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
 
-    dumps = [Dump(p) for p in paths]
+    dumps = []
     try:
+        for p in paths:
+            dumps.append(Dump(p))
         shapes = [d.require_rollout() for d in dumps]
         vocab = shapes[0][1]
         for d, (_, v) in zip(dumps, shapes):
@@ -124,22 +128,7 @@ def capture_dumps(
         notes = [f"'{k}' is missing from some inputs: not carried" for k in CARRIED_KEYS
                  if k not in carried and any(k in d for d in dumps)]
         engine_lp = [("rollout_logprobs" in d) for d in dumps]
-
-        from tqdm import tqdm
-
-        parts, bytes_read, t0 = [], 0, time.perf_counter()
-        # closed (and cleared) on errors too, so an error line never lands after a half-drawn bar
-        with tqdm(total=total, unit="rows", desc="capture", disable=not progress or None, leave=False) as bar:
-            for d, (n, _), has_lp in zip(dumps, shapes, engine_lp):
-                step = chunk_rows or default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
-                for a in range(0, n, step):
-                    b = min(n, a + step)
-                    parts.append(_capture_chunk(d, a, b, flags, explicit, device, outside, has_lp, carried))
-                    bytes_read += d.nbytes("logits") * (b - a) // max(n, 1)
-                    bar.update(b - a)
-
-        mask = _concat(parts, carried, outside)
-        mask.metadata = {
+        metadata = {
             "vocab_size": vocab,
             "sources": [os.path.basename(d.path) for d in dumps],
             "params": {os.path.basename(d.path): {k: _param_source(d, k, flags, explicit) for k in PARAM_KEYS}
@@ -148,14 +137,72 @@ def capture_dumps(
                                 for d, h in zip(dumps, engine_lp)},
             "outside": outside,
         }
-        mask.save(out)
+
+        from tqdm import tqdm
+
+        bytes_read, t0 = 0, time.perf_counter()
+        lengths = torch.empty(total, dtype=torch.int64)
+        flagged = torch.zeros(total, dtype=torch.bool)
+        with atomic_file(out) as f:
+            sink = MaskSink(f, total, vocab, carried, outside, metadata)
+            # closed (and cleared) on errors too, so an error line never lands after a half-drawn bar
+            with tqdm(total=total, unit="rows", desc="capture", disable=not progress or None, leave=False) as bar:
+                row = 0
+                for d, (n, _), has_lp in zip(dumps, shapes, engine_lp):
+                    step = chunk_rows or default_chunk_rows(vocab, torch.empty(0, dtype=d.dtype("logits")).element_size())
+                    for a in range(0, n, step):
+                        b = min(n, a + step)
+                        m, extras = _capture_chunk(d, a, b, flags, explicit, device, outside, has_lp, carried)
+                        sink.write(row, m, extras)
+                        lengths[row: row + b - a] = m.lengths()
+                        flagged[row: row + b - a] = extras["outside_support"]
+                        row += b - a
+                        bytes_read += d.nbytes("logits") * (b - a) // max(n, 1)
+                        bar.update(b - a)
+            sink.finish(flagged)
+            f.seek(0, os.SEEK_END)
+            bytes_written = f.tell()
         seconds = time.perf_counter() - t0
     finally:
         for d in dumps:
             d.close()
-    outside_rows = int(mask.extras["outside_support"].sum()) if "outside_support" in mask.extras else 0
-    return CaptureSummary(total, mask.nnz, vocab, mask.lengths(), bytes_read, os.path.getsize(out), seconds,
-                          outside_rows, notes)
+    return CaptureSummary(total, sink.nnz, vocab, lengths, bytes_read, bytes_written, seconds,
+                          int(flagged.sum()), notes)
+
+
+class MaskSink:
+    """A mask file written chunk by chunk (layout in safetensors_io.StreamWriter)."""
+
+    def __init__(self, f, rows: int, vocab: int, carried, outside: str, metadata: dict):
+        from mask_replay.mask import file_metadata
+
+        head = {"offsets": (torch.int64, (rows + 1,))}
+        for k in ("sampled",) + tuple(carried):
+            head[k] = (torch.int64, (rows,))
+        for k in ("logprobs", "kept_mass", "capture_logprobs", "temperature"):
+            head[k] = (torch.float32, (rows,))
+        # outside_support is only written when some row was flagged: room is kept for it
+        tail = {"outside_support": (torch.bool, (rows,))} if outside == "flag" else {}
+        self.outside = outside
+        self.nnz = 0
+        self.w = StreamWriter(f, head, growing=("token_ids", torch.int32, rows * vocab), tail_room=tail,
+                              metadata=file_metadata(metadata))
+        self.w.write_rows("offsets", 0, torch.zeros(1, dtype=torch.int64))
+
+    def write(self, row0: int, m, extras: dict) -> None:
+        """Rows [row0, row0 + m.num_rows): the chunk's mask and its per-row keys."""
+        self.w.write_rows("offsets", row0 + 1, m.offsets[1:].cpu() + self.nnz)
+        self.w.append(m.token_ids)
+        self.nnz += m.nnz
+        self.w.write_rows("sampled", row0, m.sampled)
+        self.w.write_rows("kept_mass", row0, m.kept_mass)
+        for k, v in extras.items():
+            if k != "outside_support":
+                self.w.write_rows(k, row0, v)
+
+    def finish(self, flagged: torch.Tensor) -> None:
+        tail = {"outside_support": flagged} if self.outside == "flag" and bool(flagged.any()) else {}
+        self.w.finish(tail)
 
 
 def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carried):
@@ -173,7 +220,8 @@ def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carr
         # Name the defect precisely when it is in the logits; else keep the op's own words,
         # with its chunk-relative row made absolute.
         check_finite(d, logits, a)
-        raise DumpError(f"{d.path}: key '{_key_of(str(exc))}': {shift_row(str(exc), a)}") from exc
+        message = shift_row(str(exc), a).replace("pass outside='flag'", "use --outside flag")
+        raise DumpError(f"{d.path}: key '{_key_of(str(exc))}': {message}") from exc
     m = m.to("cpu")
     t = params["temperature"]
     temp = t.to(torch.float32).cpu().reshape(-1).expand(b - a) if isinstance(t, torch.Tensor) else \
@@ -184,22 +232,3 @@ def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carr
         extras[k] = d.get(k, a, b).to(torch.int64)
     extras["outside_support"] = m.extras.get("outside_support", torch.zeros(b - a, dtype=torch.bool)).cpu()
     return m, extras
-
-
-def _concat(parts, carried, outside):
-    from mask_replay.mask import SamplingMask
-
-    masks = []
-    for m, ex in parts:
-        masks.append(SamplingMask(m.token_ids, m.offsets, m.sampled, ex["logprobs"], m.kept_mass,
-                                  {k: v for k, v in ex.items() if k != "logprobs"}))
-    mask = SamplingMask.concat(masks) if masks else SamplingMask.concat([])
-    if not masks:  # no rows at all: an empty mask still carries empty per-row keys
-        mask.sampled = torch.zeros(0, dtype=torch.int64)
-        mask.logprobs = torch.zeros(0)
-        mask.kept_mass = torch.zeros(0)
-        mask.extras = {"temperature": torch.zeros(0), "capture_logprobs": torch.zeros(0)}
-        mask.extras.update({k: torch.zeros(0, dtype=torch.int64) for k in carried})
-    if outside == "error" or not bool(mask.extras.get("outside_support", torch.zeros(0, dtype=torch.bool)).any()):
-        mask.extras.pop("outside_support", None)  # only written when some row was flagged
-    return mask

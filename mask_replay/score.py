@@ -23,6 +23,11 @@ def ratio_metrics(diff: np.ndarray) -> dict:
     d = np.asarray(diff, dtype=np.float64)
     if d.size == 0:
         return {k: float("nan") for k in METRICS}
+    with np.errstate(all="ignore"):  # an overflowing ratio is reported as such (null), not warned about
+        return _ratio_metrics(d)
+
+
+def _ratio_metrics(d):
     r = np.exp(d)
     return {
         "importance_ratio_mean": float(r.mean()),
@@ -41,15 +46,35 @@ def sequence_metrics(diff: np.ndarray, seq_keys: np.ndarray) -> dict:
     _, inv = np.unique(seq_keys, axis=0, return_inverse=True)
     inv = inv.reshape(-1)
     log_r = np.bincount(inv, weights=diff)
-    r = np.exp(log_r)
-    return {
-        "sequences": int(log_r.size),
-        "sequence_ratio_mean": float(r.mean()),
-        "sequence_ratio_median": float(np.median(r)),
-        "sequence_ratio_std": float(r.std()),
-        "sequence_log_ratio_mean": float(log_r.mean()),
-        "sequence_log_ratio_std": float(log_r.std()),
-    }
+    with np.errstate(all="ignore"):
+        r = np.exp(log_r)
+        return {
+            "sequences": int(log_r.size),
+            "sequence_ratio_mean": float(r.mean()),
+            "sequence_ratio_median": float(np.median(r)),
+            "sequence_ratio_std": float(r.std()),
+            "sequence_log_ratio_mean": float(log_r.mean()),
+            "sequence_log_ratio_std": float(log_r.std()),
+        }
+
+
+def report_json(report: dict) -> str:
+    """The report as strict JSON (RFC 8259 has no NaN or Infinity): a metric that is not a finite
+    number (no tokens to average, an overflowing ratio) is written as null."""
+    import json
+
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, float) and not np.isfinite(x):
+            return None
+        return x
+
+    return json.dumps(clean(report), indent=2, allow_nan=False) + "\n"
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" + ("" if n == 1 else "s")
 
 
 @dataclass
@@ -107,6 +132,10 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
         notes.append(f"{masks_path}: no 'temperature' key: scoring at temperature 1.0")
         temp = torch.ones(n)
     temp = temp.to(torch.float32)
+    bad = torch.nonzero(~torch.isfinite(temp) | (temp < 0)).flatten()
+    if bad.numel():
+        r = int(bad[0])
+        raise DumpError(f"{masks_path}: key 'temperature': {float(temp[r])} is not a finite value >= 0 at row {r}")
     # Greedy rows (T = 0) have no sampling distribution to compare: they are left out of the
     # metrics, and run through the ops at T = 1 only so that nothing divides by zero.
     greedy = temp == 0
@@ -116,9 +145,9 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
         nt, vocab = tr.require_logits()
         if nt != n:
             raise tr.err("logits", f"{nt} rows but the mask file {masks_path} has {n} rows")
-        mv = mask.metadata.get("vocab_size")
-        if mv is not None and int(mv) != vocab:
-            raise tr.err("logits", f"vocab size {vocab} does not match the mask file's {int(mv)} ({masks_path})")
+        mv = _metadata_int(mask.metadata, "vocab_size", masks_path)
+        if mv is not None and mv != vocab:
+            raise tr.err("logits", f"vocab size {vocab} does not match the mask file's {mv} ({masks_path})")
         mask.validate(vocab_size=vocab, source=masks_path)
         flagged = mask.extras.get("outside_support", torch.zeros(n, dtype=torch.bool)).bool()
 
@@ -141,13 +170,22 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
                 bar.update(b - a)
 
     rollout = mask.logprobs.double().numpy()
-    keep = np.isfinite(rollout) & ~flagged.numpy()
-    if bool(greedy.any()):
-        notes.append(f"{int(greedy.sum())} greedy rows (temperature 0) left out of the metrics")
-        keep &= ~greedy.numpy()
-    if not (keep | greedy.numpy()).all():
-        notes.append(f"{int((~keep & ~greedy.numpy()).sum())} rows without a finite rollout log-prob (sampled outside "
-                     "their support) left out of the metrics")
+    greedy_np, flagged_np = greedy.numpy(), flagged.numpy()
+    no_train = ~np.isfinite(full.numpy()) & ~flagged_np  # a -inf training logit at the sampled token
+    no_rollout = ~np.isfinite(rollout) & ~flagged_np
+    keep = ~(greedy_np | flagged_np | no_train | no_rollout)
+    if greedy_np.any():
+        n_greedy = int(greedy_np.sum())
+        notes.append(f"{n_greedy} greedy {'row' if n_greedy == 1 else 'rows'} (temperature 0) left out of the metrics")
+    if flagged_np.any():
+        notes.append(f"{_rows(int(flagged_np.sum()))} flagged by capture (--outside flag: sampled token outside "
+                     f"the support), first row {int(np.argmax(flagged_np))}: left out of the metrics")
+    if no_rollout.any():
+        notes.append(f"{_rows(int(no_rollout.sum()))} without a finite rollout log-prob, first row "
+                     f"{int(np.argmax(no_rollout))}: left out of the metrics")
+    if no_train.any():
+        notes.append(f"{_rows(int(no_train.sum()))} with a -inf training log-prob (the training logit of the "
+                     f"sampled token is -inf), first row {int(np.argmax(no_train))}: left out of the metrics")
     kept = mask.kept_mass
     if kept is None:
         notes.append("no 'kept_mass' in the mask file: kept_mass_mean is computed on the training logits")
@@ -157,6 +195,16 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
     rollout, r, f = rollout[keep], rep.double().numpy()[keep], full.double().numpy()[keep]
     report = build_report(rollout, r, f, kept.double().numpy()[keep], step, seq)
     return ScoreResult(report, rollout, r, f, step, notes)
+
+
+def _metadata_int(meta: dict, key: str, path: str):
+    v = meta.get(key)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise DumpError(f"{path}: metadata '{key}': not an integer ({v!r})") from None
 
 
 def _full(mask_replay, tr, logits, sampled, t, row0):
