@@ -1,7 +1,7 @@
 """`mask-replay inspect`: what a dump or mask file holds, read from its header (logits are not loaded)."""
 import click
 
-from mask_replay.cli.common import CONTEXT, console, fmt, one_line_errors
+from mask_replay.cli.common import CONTEXT, CliError, console, fmt, one_line_errors
 
 
 @click.command(context_settings=CONTEXT)
@@ -29,5 +29,5 @@ def inspect(file, force):
         out.print(f"{name}: {fmt(value)}")
     for name, value in info["metadata"].items():
         out.print(f"metadata {name}: {value}")
-    if info["problem"]:
-        out.print(f"[yellow]check: {info['problem']}[/yellow]")
+    if info["problem"]:  # what could be read is shown above; the defect is the command's error
+        raise CliError(info["problem"])

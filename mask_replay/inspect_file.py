@@ -20,7 +20,7 @@ def describe(d: Dump) -> dict:
         kind = "mask file"
         shape, dt = d.shape("offsets"), d.dtype("offsets")
         if len(shape) != 1 or shape[0] < 1 or dt != torch.int64:
-            problem = f"key 'offsets': must be 1-D int64 with N+1 >= 1 entries, got {_dtname(dt)} {list(shape)}"
+            problem = str(d.err("offsets", f"must be 1-D int64 with N+1 >= 1 entries, got {_dtname(dt)} {list(shape)}"))
             return {"kind": kind, "keys": keys, "summary": summary, "metadata": dict(d.metadata), "problem": problem}
         offsets = d.get("offsets")  # [N+1] int64: small, unlike the logits of a dump
         lengths = (offsets[1:] - offsets[:-1]).double()
