@@ -17,7 +17,7 @@ PARAMS = ("temperature", "top_k", "top_p", "min_p")
 @click.option("--top-p", type=float, default=None, help="Top-p in (0, 1].")
 @click.option("--min-p", type=float, default=None, help="Min-p in [0, 1] (0: off).")
 @click.option("--chunk-rows", type=click.IntRange(min=1), default=None,
-              help="Rows per chunk (default: about 256 MB of logits).")
+              help="Rows per chunk (default: about 256 MB of logits and their widest mask).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
 @click.option("--outside", type=click.Choice(["error", "flag"]), default="error", show_default=True,
               help="A sampled token outside its support: stop, or flag the row and go on.")

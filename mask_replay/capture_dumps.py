@@ -19,8 +19,11 @@ from mask_replay.dumps import PARAM_KEYS, Dump, check_finite, check_sampled, shi
 from mask_replay.io import DumpError, atomic_file, check_distinct, check_writable
 from mask_replay.safetensors_io import StreamWriter
 
-# Target bytes of logits per chunk when --chunk-rows is not given.
+# Target bytes per chunk when --chunk-rows is not given: the chunk's logits plus the widest mask they
+# can give (every token kept: 4 bytes of int32 id each), so that flat rows at top-p .95 stay within
+# budget too (measured: peak anonymous memory ~0.3 GB + ~2.9x the logits chunk, benchmarks/bench_memory.py).
 DEFAULT_CHUNK_BYTES = 256 << 20
+MASK_ENTRY_BYTES = 4
 CARRIED_KEYS = ("step", "sequence")
 SAMPLED_CHECK_ROWS = 1 << 20
 
@@ -60,7 +63,7 @@ class CaptureSummary:
 
 
 def default_chunk_rows(vocab: int, element_size: int) -> int:
-    return max(1, DEFAULT_CHUNK_BYTES // max(1, vocab * element_size))
+    return max(1, DEFAULT_CHUNK_BYTES // max(1, vocab * (element_size + MASK_ENTRY_BYTES)))
 
 
 def _param_value(dump: Dump, name: str, flags: dict, explicit: set, a: int, b: int):
