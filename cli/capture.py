@@ -2,7 +2,7 @@
 import click
 from click.core import ParameterSource
 
-from mask_replay.cli.common import CONTEXT, check_device, check_sampling_flags, console, fmt, one_line_errors
+from mask_replay.cli.common import CONTEXT, CliError, check_device, check_sampling_flags, console, fmt, one_line_errors
 
 PARAMS = ("temperature", "top_k", "top_p", "min_p")
 
@@ -32,6 +32,8 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
     """
     from mask_replay.capture_dumps import capture_dumps
 
+    if output == "-":
+        raise CliError("-o -: standard output is for score's --json; name a mask file")
     check_sampling_flags(temperature, top_k, top_p, min_p)
     check_device(device)
     explicit = frozenset(p for p in PARAMS if ctx.get_parameter_source(p) in

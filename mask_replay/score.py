@@ -3,6 +3,7 @@ and without (over the full vocabulary). Reads a mask file and a training dump ro
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -236,7 +237,9 @@ def _replay(mask_replay, logits, sub, sampled, t, flagged, masks_path, row0):
     except (RuntimeError, ValueError) as exc:
         if isinstance(exc, DumpError):
             raise
-        raise DumpError(f"{masks_path}: key 'sampled': {shift_row(str(exc), row0)}") from exc
+        # the op's advice (fallback=True) is for Python callers; on the command line the fix is the file
+        message = re.sub(r";? ?pass fallback=True.*", "", shift_row(str(exc), row0))
+        raise DumpError(f"{masks_path}: key 'sampled': {message} (capture with --outside flag records such rows)") from exc
 
 
 def _training_kept_mass(mask_replay, training_path, mask, temp, step_rows):

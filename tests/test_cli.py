@@ -448,7 +448,8 @@ def test_score_sampled_outside_recorded_support(tmp_path, captured):
     bad = write(tmp_path / "bad.safetensors", tensors)
     training = write(tmp_path / "t.safetensors", {"logits": make_logits()})
     result = run("score", "--masks", bad, "--training", training, "--chunk-rows", "5")
-    assert_one_line_error(result, "bad.safetensors", "key 'sampled'", f"row {row}")
+    assert_one_line_error(result, "bad.safetensors", "key 'sampled'", f"row {row}", "--outside flag")
+    assert "fallback=True" not in result.stderr
 
 
 def test_score_mask_file_missing_key(tmp_path):

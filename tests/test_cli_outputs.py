@@ -194,3 +194,8 @@ def test_demo_makes_its_folder_when_the_parent_exists(tmp_path):
     result = run("demo", "--out", out, "--vocab", 64, "--steps", 2, "--tokens-per-step", 16)
     assert result.exit_code == 0, result.output
     assert (out / "masks.safetensors").exists() and (out / "score.json").exists()
+
+
+def test_capture_to_dash_is_refused(tmp_path, rollout):
+    assert_one_line_error(run("capture", rollout, "-o", "-"), "-o -")
+    assert not os.path.exists("-")
