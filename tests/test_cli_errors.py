@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from test_cli import N, V, assert_clean, assert_one_line_error, needs_ops, rollout_tensors, run, write
+from test_cli import N, assert_clean, assert_one_line_error, needs_ops, rollout_tensors, run, write
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import stat
 import threading
 
 import pytest
-import torch
 
 from mask_replay import SamplingMask
 from test_cli import N, assert_clean, assert_one_line_error, needs_ops, rollout_tensors, run, write
