@@ -119,38 +119,40 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
     """Training log-probs with and without replay for every row, against the mask file's rollout
     log-probs. Errors are DumpError naming the file, key and row."""
     import mask_replay  # ops looked up at call time
-    from mask_replay.mask import SamplingMask
+    from mask_replay.mask_file import MaskFile
 
     masks_path, training_path = os.fspath(masks_path), os.fspath(training_path)
-    mask = SamplingMask.load(masks_path)
-    for key in ("sampled", "logprobs"):
-        if getattr(mask, key) is None:
-            raise DumpError(f"{masks_path}: key '{key}': missing (write mask files with `mask-replay capture`)")
-    notes = []
-    n = mask.num_rows
-    temp = mask.extras.get("temperature")
-    if temp is None:
-        notes.append(f"{masks_path}: no 'temperature' key: scoring at temperature 1.0")
-        temp = torch.ones(n)
-    temp = temp.to(torch.float32)
-    bad = torch.nonzero(~torch.isfinite(temp) | (temp < 0)).flatten()
-    if bad.numel():
-        r = int(bad[0])
-        raise DumpError(f"{masks_path}: key 'temperature': {float(temp[r])} is not a finite value >= 0 at row {r}")
-    # Greedy rows (T = 0) have no sampling distribution to compare: they are left out of the
-    # metrics, and run through the ops at T = 1 only so that nothing divides by zero.
-    greedy = temp == 0
-    temp = torch.where(greedy, torch.ones_like(temp), temp)
+    with MaskFile(masks_path) as mask, Dump(training_path) as tr:
+        for key in ("sampled", "logprobs"):
+            if getattr(mask, key) is None:
+                raise DumpError(f"{masks_path}: key '{key}': missing (write mask files with `mask-replay capture`)")
+        notes = []
+        n = mask.num_rows
+        temp = mask.extras.get("temperature")
+        if temp is None:
+            notes.append(f"{masks_path}: no 'temperature' key: scoring at temperature 1.0")
+            temp = torch.ones(n)
+        temp = temp.to(torch.float32)
+        bad = torch.nonzero(~torch.isfinite(temp) | (temp < 0)).flatten()
+        if bad.numel():
+            r = int(bad[0])
+            raise DumpError(f"{masks_path}: key 'temperature': {float(temp[r])} is not a finite value >= 0 at row {r}")
+        # Greedy rows (T = 0) have no sampling distribution to compare: they are left out of the
+        # metrics, and run through the ops at T = 1 only so that nothing divides by zero.
+        greedy = temp == 0
+        temp = torch.where(greedy, torch.ones_like(temp), temp)
 
-    with Dump(training_path) as tr:
         nt, vocab = tr.require_logits()
         if nt != n:
             raise tr.err("logits", f"{nt} rows but the mask file {masks_path} has {n} rows")
         mv = _metadata_int(mask.metadata, "vocab_size", masks_path)
         if mv is not None and mv != vocab:
             raise tr.err("logits", f"vocab size {vocab} does not match the mask file's {mv} ({masks_path})")
-        mask.validate(vocab_size=vocab, source=masks_path)
         flagged = mask.extras.get("outside_support", torch.zeros(n, dtype=torch.bool)).bool()
+        kept = mask.kept_mass
+        if kept is None:
+            notes.append("no 'kept_mass' in the mask file: kept_mass_mean is computed on the training logits")
+            kept = torch.empty(n)
 
         from tqdm import tqdm
 
@@ -162,12 +164,14 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
             for a in range(0, n, step_rows):
                 b = min(n, a + step_rows)
                 logits = tr.get("logits", a, b)
-                sub = mask.select_rows(a, b)
-                sampled, t = mask.sampled[a:b], temp[a:b]
+                sub = mask.rows(a, b, vocab)
+                sampled, t = sub.sampled, temp[a:b]
                 if device != "cpu":
                     logits, sub, sampled, t = logits.to(device), sub.to(device), sampled.to(device), t.to(device)
                 full[a:b] = _full(mask_replay, tr, logits, sampled, t, a).cpu()
                 rep[a:b] = _replay(mask_replay, logits, sub, sampled, t, flagged[a:b], masks_path, a).cpu()
+                if mask.kept_mass is None:
+                    kept[a:b] = mask_replay.kept_mass(logits, sub, t).cpu()
                 bar.update(b - a)
 
     rollout = mask.logprobs.double().numpy()
@@ -187,10 +191,6 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
     if no_train.any():
         notes.append(f"{_rows(int(no_train.sum()))} with a -inf training log-prob (the training logit of the "
                      f"sampled token is -inf), first row {int(np.argmax(no_train))}: left out of the metrics")
-    kept = mask.kept_mass
-    if kept is None:
-        notes.append("no 'kept_mass' in the mask file: kept_mass_mean is computed on the training logits")
-        kept = _training_kept_mass(mask_replay, training_path, mask, temp, step_rows)
     pick = lambda x: None if x is None else x.numpy()[keep]  # noqa: E731
     step, seq = pick(mask.extras.get("step")), pick(mask.extras.get("sequence"))
     rollout, r, f = rollout[keep], rep.double().numpy()[keep], full.double().numpy()[keep]
@@ -240,12 +240,3 @@ def _replay(mask_replay, logits, sub, sampled, t, flagged, masks_path, row0):
         # the op's advice (fallback=True) is for Python callers; on the command line the fix is the file
         message = re.sub(r";? ?pass fallback=True.*", "", shift_row(str(exc), row0))
         raise DumpError(f"{masks_path}: key 'sampled': {message} (capture with --outside flag records such rows)") from exc
-
-
-def _training_kept_mass(mask_replay, training_path, mask, temp, step_rows):
-    out = torch.empty(mask.num_rows)
-    with Dump(training_path) as tr, torch.no_grad():
-        for a in range(0, mask.num_rows, step_rows):
-            b = min(mask.num_rows, a + step_rows)
-            out[a:b] = mask_replay.kept_mass(tr.get("logits", a, b), mask.select_rows(a, b), temp[a:b])
-    return out

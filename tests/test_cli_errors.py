@@ -277,3 +277,39 @@ def test_library_users_keep_pythons_own_ctrl_c():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "True", out.stderr
+
+
+# ---- score reads the mask in chunks: whole-file checks at open, ids checked per chunk ------------
+@needs_ops
+@pytest.mark.parametrize("damage,needle", [
+    ("decrease", "offsets decrease at row 9"),
+    ("end", "offsets[-1] ="),
+    ("start", "offsets[0] must be 0"),
+    ("short_key", "kept_mass must have shape [24]"),
+    ("id_range", "token id >= vocab size 40 in row 17"),
+    ("order", "not strictly ascending in row 17"),
+])
+def test_score_checks_the_mask_file_naming_absolute_rows(tmp_path, captured, training, damage, needle):
+    from safetensors import safe_open
+
+    with safe_open(captured, framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    o, ids = t["offsets"].clone(), t["token_ids"].clone()
+    if damage == "decrease":
+        o[10] = o[9] - 1
+    elif damage == "end":
+        o[-1] += 1
+    elif damage == "start":
+        o[0] = 1
+    elif damage == "short_key":
+        t["kept_mass"] = t["kept_mass"][:-1]
+    elif damage == "id_range":
+        ids[int(o[17])] = 40
+    else:
+        row = next(r for r in range(17, N) if o[r + 1] - o[r] >= 2)
+        assert row == 17, "fixture changed: pick another row"
+        ids[int(o[17])], ids[int(o[17]) + 1] = ids[int(o[17]) + 1].clone(), ids[int(o[17])].clone()
+    t["offsets"], t["token_ids"] = o, ids
+    bad = write(tmp_path / "bad.safetensors", t)
+    result = run("score", "--masks", bad, "--training", training, "--chunk-rows", 5)
+    assert_one_line_error(result, "bad.safetensors", needle)

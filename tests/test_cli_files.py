@@ -201,10 +201,10 @@ def _peak_rss_mb(args) -> float:
 
 
 @needs_ops
-def test_capture_memory_is_bounded_by_the_chunk(tmp_path):
-    """256 MB of flat fp32 rows at top-p .95 make a ~250 MB mask; capture in chunks of 64 rows
-    (8 MB) must stay far below either size (before streaming it held the dump's pages, the whole
-    mask and its concatenation: ~700 MB over the baseline)."""
+def test_capture_and_score_memory_is_bounded_by_the_chunk(tmp_path):
+    """256 MB of flat fp32 rows at top-p .95 make a ~250 MB mask; capture and score in chunks of 64
+    rows (8 MB) must stay far below either size (before streaming, capture held the dump's pages,
+    the whole mask and its concatenation: ~700 MB over the baseline; score the whole mask)."""
     rows, vocab = 2048, 32768
     g = torch.Generator().manual_seed(0)
     logits = torch.rand(rows, vocab, generator=g) * 0.01
@@ -217,6 +217,11 @@ def test_capture_memory_is_bounded_by_the_chunk(tmp_path):
     peak = _peak_rss_mb(["capture", big, "-o", tmp_path / "b.m", "--top-p", "0.95", "--chunk-rows", 64])
     m = SamplingMask.load(tmp_path / "b.m", validate=False)
     assert m.nnz * 4 > 200e6  # the mask really is large
+    del m
+    assert peak - base < 100, (peak, base)
+    # score reads the mask's ids chunk by chunk too (it used to load the whole mask file)
+    base = _peak_rss_mb(["score", "--masks", tmp_path / "s.m", "--training", small, "--chunk-rows", 64])
+    peak = _peak_rss_mb(["score", "--masks", tmp_path / "b.m", "--training", big, "--chunk-rows", 64])
     assert peak - base < 100, (peak, base)
 
 
