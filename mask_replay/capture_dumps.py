@@ -211,7 +211,7 @@ class MaskSink:
 def _capture_chunk(d: Dump, a, b, flags, explicit, device, outside, has_lp, carried):
     import mask_replay
 
-    logits = d.get("logits", a, b)
+    logits = d.get("logits", a, b, stream=True)  # released when the next chunk is read
     sampled = d.get("sampled", a, b).to(torch.int64)
     params = {k: _param_value(d, k, flags, explicit, a, b) for k in PARAM_KEYS}
     if device != "cpu":

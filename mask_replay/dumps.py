@@ -50,6 +50,8 @@ class Dump:
         self._zip = None  # .npz: members read lazily, row ranges through a seekable member stream
         self._npy = {}  # key -> (ZipInfo, numpy dtype, fortran order, offset of the data in the member)
         self._open_members = {}
+        self._map = None  # safetensors: private map for get(..., stream=True)
+        self._mapped = {}  # key -> byte range of the last chunk handed out from the map
         self._tensors = None  # .pt: dict of tensors
         self.metadata: dict = {}
         try:
@@ -70,8 +72,13 @@ class Dump:
     def _open_safetensors(self):
         from mask_replay.safetensors_io import Header
 
+        import mmap
+
         self._fd = os.open(self.path, os.O_RDONLY)
         self._header = Header(self.path, self._fd)
+        # ACCESS_COPY: a writable (for torch.frombuffer) private map; nothing writes to it, so its
+        # pages stay the page cache's and MADV_DONTNEED just unmaps them (a later read refaults).
+        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if os.fstat(self._fd).st_size else None
         self.metadata = dict(self._header.metadata)
         self._shapes = {k: v[1] for k, v in self._header.tensors.items()}
         self._dtypes = {k: v[0] for k, v in self._header.tensors.items()}
@@ -153,13 +160,20 @@ class Dump:
         size = torch.empty(0, dtype=dt).element_size() if isinstance(dt, torch.dtype) else 0
         return int(np.prod(self._shapes[key], dtype=np.int64)) * size
 
-    def get(self, key, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
-        """Rows [start, stop) of `key` (the whole tensor when both are None); reads only those rows."""
+    def get(self, key, start: Optional[int] = None, stop: Optional[int] = None, *, stream: bool = False) -> torch.Tensor:
+        """Rows [start, stop) of `key` (the whole tensor when both are None); reads only those rows.
+
+        stream=True (safetensors, for chunk loops over logits): the rows are a view of the file's
+        memory map, with no copy, and the previous chunk of `key` is released from this process
+        (MADV_DONTNEED), so resident memory stays one chunk whatever the file size (a plain map
+        keeps every page read). Else the rows are copied out with pread."""
         from mask_replay.safetensors_io import pread_rows
 
         whole = start is None and stop is None
         try:
             if self._header is not None:
+                if stream and self._map is not None and not whole:
+                    return self._mapped_rows(key, start, stop)
                 return pread_rows(self._fd, self._header, key, start, stop)
             if self._zip is not None:
                 return self._npz_get(key, start, stop)
@@ -171,15 +185,47 @@ class Dump:
             where = "" if whole else f" rows {start}..{stop - 1}"
             raise DumpError(f"{self.path}: key '{key}':{where} cannot be read ({_first_line(exc)})") from exc
 
+    def _mapped_rows(self, key, start, stop) -> torch.Tensor:
+        dtype, shape, begin, _ = self._header.tensors[key]
+        lo, hi = max(0, start), max(min(shape[0], stop), max(0, start))
+        item = torch.empty(0, dtype=dtype).element_size()
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * item
+        a = self._header.data_start + begin + lo * row_bytes
+        self._release(key)
+        self._mapped[key] = (a, (hi - lo) * row_bytes)
+        out_shape = (hi - lo,) + tuple(shape[1:])
+        if hi == lo:
+            return torch.empty(out_shape, dtype=dtype)
+        if a % item:  # a file whose writer did not align the data: copy instead
+            from mask_replay.safetensors_io import pread_rows
+            return pread_rows(self._fd, self._header, key, start, stop)
+        return torch.frombuffer(self._map, dtype=dtype, count=(hi - lo) * row_bytes // item, offset=a).view(out_shape)
+
+    def _release(self, key) -> None:
+        """Drop the pages of the last chunk handed out for `key` from this process's memory."""
+        import mmap
+
+        a, n = self._mapped.pop(key, (0, 0))
+        if n and hasattr(self._map, "madvise"):
+            first = a - a % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, first, a + n - first)
+
     def close(self):
+        if self._map is not None:
+            for key in list(self._mapped):
+                self._release(key)
+            try:
+                self._map.close()
+            except BufferError:  # a chunk handed out is still alive: it keeps the map open itself
+                pass
         if self._fd is not None:
             os.close(self._fd)
         for f in self._open_members.values():
             f.close()
         if self._zip is not None:
             self._zip.close()
-        self._fd = self._header = self._zip = self._tensors = None
-        self._open_members = {}
+        self._fd = self._header = self._zip = self._tensors = self._map = None
+        self._open_members, self._mapped = {}, {}
 
     def __enter__(self):
         return self

@@ -63,7 +63,8 @@ class MaskFile:
     def rows(self, a: int, b: int, vocab_size: int) -> SamplingMask:
         """Rows [a, b) with their support ids, checked against the vocabulary."""
         lo, hi = int(self.offsets[a]), int(self.offsets[b])
-        sub = SamplingMask(self._dump.get("token_ids", lo, hi), self.offsets[a: b + 1] - lo,
+        # a view of the file map, released when the next chunk is read (see Dump.get)
+        sub = SamplingMask(self._dump.get("token_ids", lo, hi, stream=True), self.offsets[a: b + 1] - lo,
                            None if self.sampled is None else self.sampled[a:b].to(torch.int64))
         try:
             sub.validate(vocab_size=vocab_size, source=self.path)

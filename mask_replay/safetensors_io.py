@@ -16,9 +16,9 @@ reference writer keeps them. Keys of the header and of the metadata are sorted, 
 varies, so identical runs write identical bytes (the reference writer's metadata order follows a
 hash map).
 
-Reading. `Header` parses and checks a header; `pread_rows` reads rows [a, b) of one tensor into a
-fresh buffer with os.preadv, so memory is one chunk, whatever the file size (a shared mmap would
-instead grow the resident set one-for-one with the bytes read).
+Reading. `Header` parses and checks a header; `pread_rows` copies rows [a, b) of one tensor into a
+fresh buffer with os.preadv (dumps.Dump maps the file for its chunk loops and releases each
+chunk's pages after use: a plain map grows the resident set one-for-one with the bytes read).
 """
 from __future__ import annotations
 
@@ -216,8 +216,8 @@ class Header:
 
 
 def pread_rows(fd: int, header: Header, name: str, start: Optional[int], stop: Optional[int]) -> torch.Tensor:
-    """Rows [start, stop) of tensor `name` (all of it when both are None), read with preadv into a
-    fresh tensor: nothing of the file stays mapped."""
+    """Rows [start, stop) of tensor `name` (all of it when both are None), copied with preadv into
+    a fresh tensor: nothing of the file stays mapped."""
     dtype, shape, begin, _ = header.tensors[name]
     if start is None and stop is None or len(shape) == 0:
         lo, hi, out_shape = 0, (shape[0] if shape else 1), shape
@@ -229,7 +229,7 @@ def pread_rows(fd: int, header: Header, name: str, start: Optional[int], stop: O
     if out.numel() == 0:
         return out
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * out.element_size() if shape else out.element_size()
-    buf = out.view(-1).view(torch.uint8).numpy()
+    buf = out.reshape(-1).view(torch.uint8).numpy()
     pos, done = header.data_start + begin + lo * row_bytes, 0
     while done < buf.size:
         got = os.preadv(fd, [buf[done:]], pos + done)

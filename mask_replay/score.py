@@ -163,7 +163,7 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
                 torch.no_grad():
             for a in range(0, n, step_rows):
                 b = min(n, a + step_rows)
-                logits = tr.get("logits", a, b)
+                logits = tr.get("logits", a, b, stream=True)  # released when the next chunk is read
                 sub = mask.rows(a, b, vocab)
                 sampled, t = sub.sampled, temp[a:b]
                 if device != "cpu":

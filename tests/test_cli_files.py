@@ -233,3 +233,20 @@ def test_inspect_memory_does_not_inflate_npz(tmp_path):
     base = _peak_rss_mb(["inspect", small])
     peak = _peak_rss_mb(["inspect", npz])
     assert peak - base < 30, (peak, base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_streamed_rows_equal_copied_rows_and_stay_valid(tmp_path, dtype):
+    from mask_replay.dumps import Dump
+
+    x = (torch.arange(37 * 5) % 11).reshape(37, 5).to(dtype)
+    path = tmp_path / "x.safetensors"
+    safetensors_io.save(path, {"x": x, "odd": torch.zeros(3, dtype=torch.int8)})
+    with Dump(path) as d:
+        first = d.get("x", 0, 8, stream=True)
+        for a in range(0, 40, 8):
+            got = d.get("x", a, a + 8, stream=True)
+            assert torch.equal(got, d.get("x", a, a + 8)) and torch.equal(got, x[a: a + 8])
+        # a released chunk is only unmapped from this process: reading it again reads the file
+        assert torch.equal(first, x[:8])
+        assert d.get("x", 50, 60, stream=True).shape == (0, 5)
