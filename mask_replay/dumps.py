@@ -1,8 +1,10 @@
 """Reading rollout and training dumps: lazy row slices, and validation whose errors name file/key/row.
 
 A dump is a flat mapping key -> tensor in one of three containers:
-  .safetensors  rows are read with pread into a fresh buffer per chunk: a dump larger than RAM
-                streams, and nothing of it stays resident (a shared mmap would keep every page read);
+  .safetensors  chunk loops (get(..., stream=True)) get views of a private map of the file, and each
+                chunk's pages are released (MADV_DONTNEED) when the next is read, so a dump larger
+                than RAM streams in one chunk of resident memory (a plain map keeps every page
+                read); other reads are copied out with pread;
   .pt           torch.load(weights_only=True, mmap=True): a dict of tensors, pages read on demand;
   .npz          only the members' .npy headers are read at open; rows are read from a seekable
                 member stream (a compressed member is inflated in order, never whole).
