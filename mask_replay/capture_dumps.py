@@ -21,7 +21,7 @@ from mask_replay.safetensors_io import StreamWriter
 
 # Target bytes per chunk when --chunk-rows is not given: the chunk's logits plus the widest mask they
 # can give (every token kept: 4 bytes of int32 id each), so that flat rows at top-p .95 stay within
-# budget too (measured: peak anonymous memory ~0.3 GB + ~2.9x the logits chunk, benchmarks/bench_memory.py).
+# budget too (measured: 0.66 GB peak anonymous memory for 6 and 12 GB dumps, benchmarks/bench_memory.py).
 DEFAULT_CHUNK_BYTES = 256 << 20
 MASK_ENTRY_BYTES = 4
 CARRIED_KEYS = ("step", "sequence")
