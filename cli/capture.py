@@ -2,7 +2,7 @@
 import click
 from click.core import ParameterSource
 
-from mask_replay.cli.common import CONTEXT, check_device, console, fmt, one_line_errors
+from mask_replay.cli.common import CONTEXT, CliError, check_device, check_sampling_flags, console, fmt, one_line_errors
 from mask_replay.cli.profiles import report_mismatch
 from mask_replay.profiles import PROFILES
 from mask_replay.profiles.mismatch import DEFAULT_TOLERANCE
@@ -13,13 +13,14 @@ PARAMS = ("temperature", "top_k", "top_p", "min_p")
 @click.command(context_settings=CONTEXT)
 @click.argument("rollout", nargs=-1, required=True, type=click.Path(dir_okay=True))
 @click.option("-o", "--output", required=True, type=click.Path(), help="Mask file to write (safetensors).")
-@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="Sampling temperature (0 = greedy).")
+# ranges are checked by check_sampling_flags (click's ranges let NaN through)
+@click.option("--temperature", type=float, default=1.0, show_default=True,
+              help="Sampling temperature >= 0 (0 = greedy).")
 @click.option("--top-k", type=int, default=None, help="Top-k (<= 0 or >= vocab: off).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Top-p in (0, 1].")
-@click.option("--min-p", type=click.FloatRange(0, 1), default=None, help="Min-p in [0, 1] (0: off).")
+@click.option("--top-p", type=float, default=None, help="Top-p in (0, 1].")
+@click.option("--min-p", type=float, default=None, help="Min-p in [0, 1] (0: off).")
 @click.option("--chunk-rows", type=click.IntRange(min=1), default=None,
-              help="Rows per chunk (default: about 256 MB of logits).")
+              help="Rows per chunk (default: about 256 MB of logits and their widest mask).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
 @click.option("--outside", type=click.Choice(["error", "flag"]), default="error", show_default=True,
               help="A sampled token outside its support: stop, or flag the row and go on.")
@@ -41,6 +42,9 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
     """
     from mask_replay.capture_dumps import capture_dumps
 
+    if output == "-":
+        raise CliError("-o -: standard output is for score's --json; name a mask file")
+    check_sampling_flags(temperature, top_k, top_p, min_p)
     check_device(device)
     explicit = frozenset(p for p in PARAMS if ctx.get_parameter_source(p) in
                          (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))

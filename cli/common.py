@@ -16,6 +16,40 @@ class CliError(click.ClickException):
         click.echo(f"mask-replay: error: {self.format_message()}", err=True)
 
 
+class Group(click.Group):
+    """The top-level command: every error is one line on stderr, never a traceback or a usage dump.
+
+    Bad flags (click's usage errors) exit 2, data and file errors 1, Ctrl-C 130 like every Unix
+    tool; outputs are atomic, so an interrupted command leaves nothing half-written behind."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            fail(_usage_line(exc), 2)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except (click.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+            fail("interrupted", 130)
+        except BrokenPipeError:  # `... | head`: the reader left, nothing to report
+            sys.stderr.close()
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _usage_line(exc: click.UsageError) -> str:
+    cmd = exc.ctx.command_path if exc.ctx is not None else "mask-replay"
+    return f"{exc.format_message()} (see '{cmd} --help')"
+
+
+def fail(message: str, code: int):
+    click.echo(f"mask-replay: error: {message}", err=True)
+    sys.exit(code)
+
+
 def one_line_errors(fn):
     """Data and file errors end the command with one line, not a traceback; a bug still shows
     its traceback. Outputs are atomic, so nothing partial is left behind either way."""
@@ -50,7 +84,45 @@ def fmt(x) -> str:
 
 
 def check_device(device: str) -> None:
+    """--device names cpu or a visible CUDA device (meta, another backend, a typo: refused)."""
     import torch
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise CliError(f"--device {device}: not a device name (use cpu, cuda or cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise CliError(f"--device {device}: only cpu and cuda are supported")
+    if dev.type == "cpu":
+        return
+    if not torch.cuda.is_available():
         raise CliError(f"--device {device}: no CUDA device is visible (torch {torch.__version__})")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+
+
+INT64_MAX = 2 ** 63 - 1
+
+
+def check_sampling_flags(temperature=None, top_k=None, top_p=None, min_p=None, *, greedy_ok=True) -> None:
+    """Sampling flags are finite and in range before any file is opened; errors name the flag.
+    The kernels compute in float32 (temperature) and int64 (top-k): a value that does not survive
+    that conversion is refused here rather than reported against the dump's keys."""
+    import math
+
+    import numpy as np
+
+    if temperature is not None:
+        t32 = float(np.float32(temperature)) if math.isfinite(temperature) and abs(temperature) < 1e39 else math.inf
+        if not math.isfinite(temperature) or not math.isfinite(t32):
+            raise CliError(f"--temperature {temperature}: must be a finite number (float32 range)")
+        if temperature < 0 or (temperature == 0 and not greedy_ok):
+            raise CliError(f"--temperature {temperature}: must be {'>= 0' if greedy_ok else '> 0'}")
+        if temperature > 0 and t32 == 0:
+            raise CliError(f"--temperature {temperature}: rounds to 0 in float32 (that is greedy; pass 0 to mean it)")
+    if top_k is not None and not -INT64_MAX - 1 <= top_k <= INT64_MAX:
+        raise CliError(f"--top-k {top_k}: out of range (a 64-bit integer; <= 0 or >= vocab means off)")
+    if top_p is not None and not (0 < top_p <= 1):  # NaN fails every comparison
+        raise CliError(f"--top-p {top_p}: must be in (0, 1]")
+    if min_p is not None and not (0 <= min_p <= 1):
+        raise CliError(f"--min-p {min_p}: must be in [0, 1]")

@@ -1,7 +1,7 @@
 """`mask-replay demo`: a synthetic RL run, captured and scored, with replay against without."""
 import click
 
-from mask_replay.cli.common import CONTEXT, console, fmt, one_line_errors
+from mask_replay.cli.common import CONTEXT, check_sampling_flags, console, fmt, one_line_errors
 
 
 @click.command(context_settings=CONTEXT)
@@ -10,8 +10,8 @@ from mask_replay.cli.common import CONTEXT, console, fmt, one_line_errors
 @click.option("--vocab", type=click.IntRange(min=2), default=32768, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--tokens-per-step", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option("--top-p", type=float, default=0.9, show_default=True, help="Top-p in (0, 1].")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="Temperature > 0.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @one_line_errors
 def demo(out, vocab, steps, tokens_per_step, top_p, temperature, seed):
@@ -20,6 +20,7 @@ def demo(out, vocab, steps, tokens_per_step, top_p, temperature, seed):
     plot it. Nothing is downloaded."""
     import time
 
+    check_sampling_flags(temperature, None, top_p, None, greedy_ok=False)
     from mask_replay.cli.capture import print_summary
     from mask_replay.cli.score import print_report
     from mask_replay.demo import DemoConfig, run_demo

@@ -1,20 +1,22 @@
 """`mask-replay inspect`: what a dump or mask file holds, read from its header (logits are not loaded)."""
 import click
 
-from mask_replay.cli.common import CONTEXT, console, fmt, one_line_errors
+from mask_replay.cli.common import CONTEXT, CliError, console, fmt, one_line_errors
 
 
 @click.command(context_settings=CONTEXT)
 @click.argument("file", type=click.Path())
+@click.option("--force", is_flag=True,
+              help="Read .npz members that declare more than 1 GiB compressed (a zip bomb guard).")
 @one_line_errors
-def inspect(file):
+def inspect(file, force):
     """Keys, shapes, dtypes and rows of FILE; support statistics when it is a mask file."""
     from rich.table import Table
 
     from mask_replay.dumps import Dump
-    from mask_replay.inspect_file import describe
+    from mask_replay.inspect_file import INFLATE_LIMIT, describe
 
-    with Dump(file) as d:
+    with Dump(file, inflate_limit=None if force else INFLATE_LIMIT) as d:
         info = describe(d)
     out = console()
     table = Table(title=f"{file}: {info['kind']}", title_justify="left")
@@ -27,5 +29,5 @@ def inspect(file):
         out.print(f"{name}: {fmt(value)}")
     for name, value in info["metadata"].items():
         out.print(f"metadata {name}: {value}")
-    if info["problem"]:
-        out.print(f"[yellow]check: {info['problem']}[/yellow]")
+    if info["problem"]:  # what could be read is shown above; the defect is the command's error
+        raise CliError(info["problem"])

@@ -5,7 +5,7 @@ Commands live one per module; each imports torch and the heavy library code only
 import click
 
 from mask_replay import __version__
-from mask_replay.cli.common import CONTEXT
+from mask_replay.cli.common import CONTEXT, Group
 from mask_replay.cli.capture import capture
 from mask_replay.cli.convert import convert
 from mask_replay.cli.demo import demo
@@ -14,7 +14,7 @@ from mask_replay.cli.inspect import inspect
 from mask_replay.cli.score import score
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=Group, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="mask-replay")
 def main():
     """Record the support of truncated sampling at rollout time and replay it in the trainer.

@@ -8,7 +8,8 @@ from mask_replay.cli.common import CONTEXT, CliError, check_device, console, fmt
 @click.option("--masks", required=True, type=click.Path(), help="Mask file written by `capture`.")
 @click.option("--training", required=True, type=click.Path(),
               help="Training dump: logits [N, V], same rows in the same order as the rollout.")
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the metrics as JSON here.")
+@click.option("--json", "json_out", type=click.Path(), default=None,
+              help="Write the metrics as JSON here ('-': standard output, the table then goes to stderr).")
 @click.option("--plot", type=click.Path(), default=None, help="Write a PNG of the metrics over steps here.")
 @click.option("--title", default=None, help="Title of the plot (default: the training file's name).")
 @click.option("--chunk-rows", type=click.IntRange(min=1), default=None,
@@ -19,13 +20,15 @@ from mask_replay.cli.common import CONTEXT, CliError, check_device, console, fmt
 def score(masks, training, json_out, plot, title, chunk_rows, device, resume):
     """Compare training log-probs with the rollout's, with replay (over the recorded support) and
     without (over the full vocabulary): importance ratios, log-prob differences, KL estimates."""
-    import json
     import os
 
-    from mask_replay.io import check_writable, write_text
-    from mask_replay.score import score_files
+    from mask_replay.io import check_distinct, check_writable, write_text
+    from mask_replay.score import report_json, score_files
 
     check_device(device)
+    if plot == "-":
+        raise CliError("--plot -: standard output is for --json only; name a PNG file")
+    check_distinct([("--masks", masks), ("--training", training)], [("--json", json_out), ("--plot", plot)])
     from mask_replay.distributed import cli as dist_cli, launch, resume as resumed
     if resume and resumed.score_complete(json_out, plot):
         return
@@ -44,13 +47,13 @@ def score(masks, training, json_out, plot, title, chunk_rows, device, resume):
         return
     for note in result.notes:
         console(err=True).print(f"mask-replay: note: {note}")
-    print_report(result.report)
+    print_report(result.report, err=json_out == "-")
     if plot:  # first: it is the one that can still refuse (no steps to plot), before any output
         from mask_replay.plots import plot_report
 
         plot_report(result.report, plot, title=title or f"rollout vs training log-probs: {os.path.basename(training)}")
     if json_out:
-        write_text(json_out, json.dumps(result.report, indent=2) + "\n")
+        write_text(json_out, report_json(result.report))
 
 
 ROWS = (
@@ -63,10 +66,10 @@ ROWS = (
 )
 
 
-def print_report(report: dict) -> None:
+def print_report(report: dict, err: bool = False) -> None:
     from rich.table import Table
 
-    out = console()
+    out = console(err=err)
     table = Table(title=f"{report['tokens']} tokens, rollout kept mass mean {fmt(report['kept_mass_mean'])}",
                   title_justify="left")
     table.add_column("metric (r = exp(training - rollout))")

@@ -4,6 +4,8 @@ Importing the package loads the extension, so `torch.ops.mask_replay.*` is avail
 """
 __version__ = "0.1.0"
 
+from mask_replay import _startup  # noqa: E402,F401  (first: a Ctrl-C while torch loads is one line)
+
 from mask_replay._ext import build_info  # noqa: E402  (loads the ops)
 from mask_replay import _register  # noqa: E402,F401  (fake kernels and autograd of every op)
 from mask_replay.capture_api import OutsideSupportError, capture, capture_fixed  # noqa: E402

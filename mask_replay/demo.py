@@ -69,9 +69,7 @@ def _sample_from_support(logits, mask, temperature, gen):
 def generate_run(out_dir, cfg: DemoConfig, progress: bool = False) -> tuple[str, str]:
     """Write rollout.safetensors and training.safetensors into out_dir; returns their paths."""
     import mask_replay
-    from safetensors.torch import save_file
-
-    from mask_replay.io import atomic_output
+    from mask_replay import safetensors_io
 
     gen = torch.Generator().manual_seed(cfg.seed)
     rank = torch.empty(cfg.vocab)
@@ -102,9 +100,26 @@ def generate_run(out_dir, cfg: DemoConfig, progress: bool = False) -> tuple[str,
     paths = os.path.join(out_dir, "rollout.safetensors"), os.path.join(out_dir, "training.safetensors")
     meta = {"generator": "mask-replay demo", "config": repr(cfg)}
     for path, tensors in zip(paths, (rollout, {"logits": training_logits})):
-        with atomic_output(path) as tmp:
-            save_file(tensors, tmp, metadata=meta)
+        safetensors_io.save(path, tensors, meta)
     return paths
+
+
+def make_out_dir(out_dir) -> None:
+    """Create the output folder itself, never its missing parents (a typo in a path should not
+    leave a tree of folders behind)."""
+    from mask_replay.io import DumpError
+
+    out_dir = os.fspath(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.isdir(parent):
+        raise DumpError(f"{out_dir}: parent folder {parent} does not exist (create it first)")
+    try:
+        os.mkdir(out_dir)
+    except FileExistsError:
+        if not os.path.isdir(out_dir):
+            raise DumpError(f"{out_dir}: exists and is not a folder") from None
+    except OSError as exc:
+        raise DumpError(f"{out_dir}: cannot create the folder ({exc.strerror})") from exc
 
 
 def run_demo(out_dir, cfg: DemoConfig, progress: bool = False):
@@ -112,17 +127,16 @@ def run_demo(out_dir, cfg: DemoConfig, progress: bool = False):
     library code the capture and score commands use. Returns (capture summary, score result, paths)."""
     from mask_replay.capture_dumps import capture_dumps
     from mask_replay.plots import plot_report
-    from mask_replay.score import score_files
     from mask_replay.io import write_text
-    import json
+    from mask_replay.score import report_json, score_files
 
-    os.makedirs(out_dir, exist_ok=True)
+    make_out_dir(out_dir)
     rollout, training = generate_run(out_dir, cfg, progress)
     masks = os.path.join(out_dir, "masks.safetensors")
     summary = capture_dumps([rollout], masks, progress=progress)
     result = score_files(masks, training, progress=progress)
     report_path, plot_path = os.path.join(out_dir, "score.json"), os.path.join(out_dir, "score.png")
-    write_text(report_path, json.dumps(result.report, indent=2) + "\n")
+    write_text(report_path, report_json(result.report))
     plot_report(result.report, plot_path, title=f"synthetic RL run, V={cfg.vocab}, top_p={cfg.top_p}")
     paths = {"rollout": rollout, "training": training, "masks": masks, "json": report_path, "plot": plot_path}
     return summary, result, paths

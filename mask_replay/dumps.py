@@ -1,9 +1,13 @@
 """Reading rollout and training dumps: lazy row slices, and validation whose errors name file/key/row.
 
 A dump is a flat mapping key -> tensor in one of three containers:
-  .safetensors  rows are read lazily (safe_open + get_slice), so a dump larger than RAM streams;
+  .safetensors  chunk loops (get(..., stream=True)) get views of a private map of the file, and each
+                chunk's pages are released (MADV_DONTNEED) when the next is read, so a dump larger
+                than RAM streams in one chunk of resident memory (a plain map keeps every page
+                read); other reads are copied out with pread;
   .pt           torch.load(weights_only=True, mmap=True): a dict of tensors, pages read on demand;
-  .npz          numpy.load: each key is read whole on first use (npz members cannot be memory-mapped).
+  .npz          only the members' .npy headers are read at open; rows are read from a seekable
+                member stream (a compressed member is inflated in order, never whole).
 The formats are described in docs/formats.md.
 """
 from __future__ import annotations
@@ -28,17 +32,14 @@ _PER_ROW_KINDS = {
 # Keys that may be 0-dim (one value for all rows); the others must be [N].
 _SCALAR_OK = set(PARAM_KEYS)
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 class Dump:
-    """One dump file opened for lazy row access. Use as a context manager or call close()."""
+    """One dump file opened for lazy row access. Use as a context manager or call close().
 
-    def __init__(self, path):
+    inflate_limit: refuse (at open) a compressed .npz member that declares more bytes than this
+    (a zip bomb inflates a few MB into GBs); None reads any size.
+    """
+
+    def __init__(self, path, inflate_limit: Optional[int] = None):
         self.path = os.fspath(path)
         self.name = self.path
         if not os.path.exists(self.path):
@@ -46,33 +47,43 @@ class Dump:
         if os.path.isdir(self.path):
             raise DumpError(f"{self.path}: is a folder, expected a dump file")
         ext = os.path.splitext(self.path)[1].lower()
-        self._st = None  # safetensors handle
-        self._tensors = None  # dict of tensors (.pt) or np arrays (.npz)
+        self._fd = None  # safetensors: read with pread, never mapped
+        self._header = None
+        self._zip = None  # .npz: members read lazily, row ranges through a seekable member stream
+        self._npy = {}  # key -> (ZipInfo, numpy dtype, fortran order, offset of the data in the member)
+        self._open_members = {}
+        self._map = None  # safetensors: private map for get(..., stream=True)
+        self._mapped = {}  # key -> byte range of the last chunk handed out from the map
+        self._tensors = None  # .pt: dict of tensors
         self.metadata: dict = {}
         try:
             if ext == ".pt" or ext == ".pth":
                 self._open_pt()
             elif ext == ".npz":
-                self._open_npz()
+                self._open_npz(inflate_limit)
             else:  # .safetensors, and any other name: safetensors is the primary format
                 self._open_safetensors()
         except DumpError:
+            self.close()
             raise
         except Exception as exc:  # each backend has its own error types for corrupt files
+            self.close()
             raise DumpError(f"{self.path}: not a readable {ext or 'safetensors'} dump ({_first_line(exc)})") from exc
 
     # ---- backends ----------------------------------------------------------------------------
     def _open_safetensors(self):
-        from safetensors import safe_open
+        from mask_replay.safetensors_io import Header
 
-        self._st = safe_open(self.path, framework="pt")
-        self.metadata = dict(self._st.metadata() or {})
-        self._shapes = {}
-        self._dtypes = {}
-        for k in self._st.keys():
-            sl = self._st.get_slice(k)
-            self._shapes[k] = tuple(sl.get_shape())
-            self._dtypes[k] = _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+        import mmap
+
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._header = Header(self.path, self._fd)
+        # ACCESS_COPY: a writable (for torch.frombuffer) private map; nothing writes to it, so its
+        # pages stay the page cache's and MADV_DONTNEED just unmaps them (a later read refaults).
+        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if os.fstat(self._fd).st_size else None
+        self.metadata = dict(self._header.metadata)
+        self._shapes = {k: v[1] for k, v in self._header.tensors.items()}
+        self._dtypes = {k: v[0] for k, v in self._header.tensors.items()}
 
     def _open_pt(self):
         obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
@@ -82,17 +93,56 @@ class Dump:
         self._shapes = {k: tuple(v.shape) for k, v in self._tensors.items()}
         self._dtypes = {k: v.dtype for k, v in self._tensors.items()}
 
-    def _open_npz(self):
-        arrays = np.load(self.path, allow_pickle=False)
-        self._tensors = {}
-        self._shapes = {}
-        self._dtypes = {}
-        for k in arrays.files:
-            a = arrays[k]
+    def _open_npz(self, inflate_limit):
+        """Only each member's .npy header is read (a few hundred bytes, inflated if compressed)."""
+        import zipfile
+
+        self._zip = zipfile.ZipFile(self.path)
+        self._shapes, self._dtypes = {}, {}
+        for info in self._zip.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            key = info.filename[:-4]
+            if inflate_limit is not None and info.compress_type != zipfile.ZIP_STORED and info.file_size > inflate_limit:
+                raise DumpError(f"{self.path}: key '{key}': compressed member inflates to {info.file_size:,} bytes "
+                                f"({info.compress_size:,} stored), over the {inflate_limit:,}-byte limit; "
+                                "pass --force to read it anyway")
+            with self._zip.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                else:
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                offset = f.tell()
+            if dtype.hasobject:
+                raise DumpError(f"{self.path}: key '{key}': holds Python objects (pickles are not read)")
+            self._npy[key] = (info, dtype, fortran, offset)
+            self._shapes[key] = tuple(shape)
             # numpy has no bfloat16: such dumps must use safetensors or .pt
-            self._tensors[k] = a
-            self._shapes[k] = tuple(a.shape)
-            self._dtypes[k] = torch.from_numpy(np.zeros(0, dtype=a.dtype)).dtype if a.dtype != object else None
+            self._dtypes[key] = torch.from_numpy(np.zeros(0, dtype=dtype.newbyteorder("="))).dtype
+
+    def _npz_get(self, key, start, stop) -> torch.Tensor:
+        info, dtype, fortran, offset = self._npy[key]
+        shape = self._shapes[key]
+        rows = not (start is None and stop is None) and len(shape) > 0
+        # a Fortran-ordered member has no contiguous rows: read whole (numpy never writes one unasked)
+        lo, hi = (max(0, start), max(min(shape[0], stop), max(0, start))) if rows and not fortran \
+            else (0, shape[0] if shape else 1)
+        row_items = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        f = self._open_members.get(key)
+        if f is None:  # kept open: chunks read in order continue where the last one stopped
+            f = self._open_members[key] = self._zip.open(info)
+        f.seek(offset + lo * row_items * dtype.itemsize)
+        want = (hi - lo) * row_items * dtype.itemsize
+        raw = f.read(want)
+        if len(raw) != want:
+            raise OSError(f"member ends {want - len(raw)} bytes early")
+        a = np.frombuffer(raw, dtype=dtype)
+        if fortran:
+            a = a.reshape(shape, order="F")[start:stop] if rows else a.reshape(shape, order="F")
+        else:
+            a = a.reshape((hi - lo,) + tuple(shape[1:]) if shape else ())
+        return torch.from_numpy(np.array(a, dtype=dtype.newbyteorder("="), order="C"))
 
     # ---- access ------------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -112,18 +162,24 @@ class Dump:
         size = torch.empty(0, dtype=dt).element_size() if isinstance(dt, torch.dtype) else 0
         return int(np.prod(self._shapes[key], dtype=np.int64)) * size
 
-    def get(self, key, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
-        """Rows [start, stop) of `key` (the whole tensor when both are None); reads only those rows."""
+    def get(self, key, start: Optional[int] = None, stop: Optional[int] = None, *, stream: bool = False) -> torch.Tensor:
+        """Rows [start, stop) of `key` (the whole tensor when both are None); reads only those rows.
+
+        stream=True (safetensors, for chunk loops over logits): the rows are a view of the file's
+        memory map, with no copy, and the previous chunk of `key` is released from this process
+        (MADV_DONTNEED), so resident memory stays one chunk whatever the file size (a plain map
+        keeps every page read). Else the rows are copied out with pread."""
+        from mask_replay.safetensors_io import pread_rows
+
         whole = start is None and stop is None
         try:
-            if self._st is not None:
-                if whole or len(self._shapes[key]) == 0:
-                    return self._st.get_tensor(key)
-                return self._st.get_slice(key)[start:stop]
+            if self._header is not None:
+                if stream and self._map is not None and not whole:
+                    return self._mapped_rows(key, start, stop)
+                return pread_rows(self._fd, self._header, key, start, stop)
+            if self._zip is not None:
+                return self._npz_get(key, start, stop)
             t = self._tensors[key]
-            if isinstance(t, np.ndarray):
-                # (np.ascontiguousarray would turn a 0-dim array into shape [1])
-                t = torch.from_numpy(t if t.flags.c_contiguous else t.copy(order="C"))
             if whole or t.dim() == 0:
                 return t
             return t[start:stop].contiguous()
@@ -131,9 +187,47 @@ class Dump:
             where = "" if whole else f" rows {start}..{stop - 1}"
             raise DumpError(f"{self.path}: key '{key}':{where} cannot be read ({_first_line(exc)})") from exc
 
+    def _mapped_rows(self, key, start, stop) -> torch.Tensor:
+        dtype, shape, begin, _ = self._header.tensors[key]
+        lo, hi = max(0, start), max(min(shape[0], stop), max(0, start))
+        item = torch.empty(0, dtype=dtype).element_size()
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * item
+        a = self._header.data_start + begin + lo * row_bytes
+        self._release(key)
+        self._mapped[key] = (a, (hi - lo) * row_bytes)
+        out_shape = (hi - lo,) + tuple(shape[1:])
+        if hi == lo:
+            return torch.empty(out_shape, dtype=dtype)
+        if a % item:  # a file whose writer did not align the data: copy instead
+            from mask_replay.safetensors_io import pread_rows
+            return pread_rows(self._fd, self._header, key, start, stop)
+        return torch.frombuffer(self._map, dtype=dtype, count=(hi - lo) * row_bytes // item, offset=a).view(out_shape)
+
+    def _release(self, key) -> None:
+        """Drop the pages of the last chunk handed out for `key` from this process's memory."""
+        import mmap
+
+        a, n = self._mapped.pop(key, (0, 0))
+        if n and hasattr(self._map, "madvise"):
+            first = a - a % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, first, a + n - first)
+
     def close(self):
-        self._st = None
-        self._tensors = None
+        if self._map is not None:
+            for key in list(self._mapped):
+                self._release(key)
+            try:
+                self._map.close()
+            except BufferError:  # a chunk handed out is still alive: it keeps the map open itself
+                pass
+        if self._fd is not None:
+            os.close(self._fd)
+        for f in self._open_members.values():
+            f.close()
+        if self._zip is not None:
+            self._zip.close()
+        self._fd = self._header = self._zip = self._tensors = self._map = None
+        self._open_members, self._mapped = {}, {}
 
     def __enter__(self):
         return self

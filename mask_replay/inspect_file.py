@@ -1,8 +1,14 @@
 """Description of a dump or mask file from its header; only a mask's offsets are read."""
 from __future__ import annotations
 
+import torch
+
 from mask_replay.dumps import Dump, _dtname
 from mask_replay.io import DumpError
+
+# A compressed .npz member declaring more than this is refused unless asked for (--force): a few
+# MB can inflate to GBs. Only the .npy headers are read either way.
+INFLATE_LIMIT = 1 << 30
 
 
 def describe(d: Dump) -> dict:
@@ -12,13 +18,15 @@ def describe(d: Dump) -> dict:
     summary, problem = {}, None
     if "token_ids" in d and "offsets" in d:
         kind = "mask file"
+        shape, dt = d.shape("offsets"), d.dtype("offsets")
+        if len(shape) != 1 or shape[0] < 1 or dt != torch.int64:
+            problem = str(d.err("offsets", f"must be 1-D int64 with N+1 >= 1 entries, got {_dtname(dt)} {list(shape)}"))
+            return {"kind": kind, "keys": keys, "summary": summary, "metadata": dict(d.metadata), "problem": problem}
         offsets = d.get("offsets")  # [N+1] int64: small, unlike the logits of a dump
         lengths = (offsets[1:] - offsets[:-1]).double()
         summary["rows"] = int(lengths.numel())
         summary["nnz"] = int(d.shape("token_ids")[0]) if d.shape("token_ids") else 0
         if lengths.numel():
-            import torch
-
             summary.update({
                 "support size mean": float(lengths.mean()), "support size median": float(lengths.median()),
                 "support size p99": float(torch.quantile(lengths, 0.99)), "support size max": int(lengths.max()),

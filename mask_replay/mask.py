@@ -217,21 +217,14 @@ class SamplingMask:
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
     def file_metadata(self) -> dict:
-        from mask_replay import __version__
-
-        meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in self.metadata.items()}
-        meta.setdefault("semantics", SEMANTICS)  # an engine profile names itself there (mask_replay.profiles)
-        meta.update({"format_version": FORMAT_VERSION, "mask_replay_version": __version__})
-        return meta
+        return file_metadata(self.metadata)
 
     def save(self, path) -> None:
-        """Write a safetensors file atomically (temp file in the same folder, then rename)."""
-        from safetensors.torch import save_file
+        """Write a safetensors file atomically (temp file in the same folder, then rename), in a
+        stable layout with sorted metadata: the same mask always gives the same bytes."""
+        from mask_replay import safetensors_io
 
-        from mask_replay.io import atomic_output
-
-        with atomic_output(path) as tmp:
-            save_file(self.tensors(), tmp, metadata=self.file_metadata())
+        safetensors_io.save(path, self.tensors(), self.file_metadata())
 
     @classmethod
     def load(cls, path, device="cpu", *, validate: bool = True) -> "SamplingMask":
@@ -241,6 +234,7 @@ class SamplingMask:
         for key in ("token_ids", "offsets"):
             if key not in tensors:
                 raise MaskFormatError(f"{path}: missing key '{key}' (is this a mask file?)")
+        check_file_dtypes(tensors, str(path))
         named = {k: tensors.pop(k) for k in _ROW_EXTRAS if k in tensors}
         mask = cls(tensors.pop("token_ids"), tensors.pop("offsets"), extras=tensors, metadata=meta, **named)
         if validate:
@@ -290,3 +284,32 @@ class SamplingMask:
         from mask_replay.row_order import align_mask
 
         return align_mask(self, order, sequences=sequences, key=key)
+
+def file_metadata(metadata: dict) -> dict:
+    """The safetensors string map of a mask file: structured values as JSON, keys sorted (also
+    inside the JSON), so identical runs write identical bytes."""
+    from mask_replay import __version__
+
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in metadata.items()}
+    meta.setdefault("semantics", SEMANTICS)  # an engine profile names itself there (mask_replay.profiles)
+    meta.update({"format_version": FORMAT_VERSION, "mask_replay_version": __version__})
+    return dict(sorted(meta.items()))
+
+
+# What each documented key of a mask file must hold (docs/formats.md); a file that breaks it is
+# refused at load, naming the key, before any value is used as an index or a step number.
+_FILE_KINDS = {"sampled": "integer", "step": "integer", "sequence": "integer", "position": "integer",
+               "logprob_mismatch": "integer", "logprobs": "float",
+               "kept_mass": "float", "capture_logprobs": "float", "temperature": "float", "outside_support": "bool"}
+
+
+def check_file_dtypes(tensors: dict, source: str) -> None:
+    for key, kind in _FILE_KINDS.items():
+        t = tensors.get(key)
+        if t is None:
+            continue
+        ok = {"integer": not t.is_floating_point() and t.dtype != torch.bool,
+              "float": t.is_floating_point(), "bool": t.dtype == torch.bool}[kind]
+        if not ok:
+            raise MaskFormatError(f"{source}: key '{key}': must be {'an' if kind == 'integer' else 'a'} {kind} "
+                                  f"tensor, got {str(t.dtype).replace('torch.', '')}")

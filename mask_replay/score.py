@@ -3,6 +3,7 @@ and without (over the full vocabulary). Reads a mask file and a training dump ro
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,6 +24,11 @@ def ratio_metrics(diff: np.ndarray) -> dict:
     d = np.asarray(diff, dtype=np.float64)
     if d.size == 0:
         return {k: float("nan") for k in METRICS}
+    with np.errstate(all="ignore"):  # an overflowing ratio is reported as such (null), not warned about
+        return _ratio_metrics(d)
+
+
+def _ratio_metrics(d):
     r = np.exp(d)
     return {
         "importance_ratio_mean": float(r.mean()),
@@ -41,15 +47,35 @@ def sequence_metrics(diff: np.ndarray, seq_keys: np.ndarray) -> dict:
     _, inv = np.unique(seq_keys, axis=0, return_inverse=True)
     inv = inv.reshape(-1)
     log_r = np.bincount(inv, weights=diff)
-    r = np.exp(log_r)
-    return {
-        "sequences": int(log_r.size),
-        "sequence_ratio_mean": float(r.mean()),
-        "sequence_ratio_median": float(np.median(r)),
-        "sequence_ratio_std": float(r.std()),
-        "sequence_log_ratio_mean": float(log_r.mean()),
-        "sequence_log_ratio_std": float(log_r.std()),
-    }
+    with np.errstate(all="ignore"):
+        r = np.exp(log_r)
+        return {
+            "sequences": int(log_r.size),
+            "sequence_ratio_mean": float(r.mean()),
+            "sequence_ratio_median": float(np.median(r)),
+            "sequence_ratio_std": float(r.std()),
+            "sequence_log_ratio_mean": float(log_r.mean()),
+            "sequence_log_ratio_std": float(log_r.std()),
+        }
+
+
+def report_json(report: dict) -> str:
+    """The report as strict JSON (RFC 8259 has no NaN or Infinity): a metric that is not a finite
+    number (no tokens to average, an overflowing ratio) is written as null."""
+    import json
+
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, float) and not np.isfinite(x):
+            return None
+        return x
+
+    return json.dumps(clean(report), indent=2, allow_nan=False) + "\n"
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" + ("" if n == 1 else "s")
 
 
 @dataclass
@@ -92,41 +118,46 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
                 progress: bool = True, rows: Optional[tuple] = None, combine=None) -> Optional[ScoreResult]:
     """Training log-probs with and without replay for every row, against the mask file's rollout
     log-probs. Errors are DumpError naming the file, key and row. rows=(a, b) computes only the
-    log-probs of rows [a, b); combine(replay[a:b], no_replay[a:b]) then returns the arrays of all
-    rows, or None to stop here (ranks other than 0 under torchrun, see mask_replay.distributed)."""
+    log-probs of rows [a, b); combine(replay[a:b], no_replay[a:b], kept[a:b]) then returns the arrays
+    of all rows, or None to stop here (ranks other than 0 under torchrun, see mask_replay.distributed)."""
     import mask_replay  # ops looked up at call time
-    from mask_replay.mask import SamplingMask
+    from mask_replay.mask_file import MaskFile
 
     masks_path, training_path = os.fspath(masks_path), os.fspath(training_path)
-    mask = SamplingMask.load(masks_path)
-    for key in ("sampled", "logprobs"):
-        if getattr(mask, key) is None:
-            raise DumpError(f"{masks_path}: key '{key}': missing (write mask files with `mask-replay capture`)")
-    notes = []
-    n = mask.num_rows
-    temp = mask.extras.get("temperature")
-    if temp is None:
-        notes.append(f"{masks_path}: no 'temperature' key: scoring at temperature 1.0")
-        temp = torch.ones(n)
-    temp = temp.to(torch.float32)
-    # Greedy rows (T = 0) have no sampling distribution to compare: they are left out of the
-    # metrics, and run through the ops at T = 1 only so that nothing divides by zero.
-    greedy = temp == 0
-    temp = torch.where(greedy, torch.ones_like(temp), temp)
+    with MaskFile(masks_path) as mask, Dump(training_path) as tr:
+        for key in ("sampled", "logprobs"):
+            if getattr(mask, key) is None:
+                raise DumpError(f"{masks_path}: key '{key}': missing (write mask files with `mask-replay capture`)")
+        notes = []
+        n = mask.num_rows
+        temp = mask.extras.get("temperature")
+        if temp is None:
+            notes.append(f"{masks_path}: no 'temperature' key: scoring at temperature 1.0")
+            temp = torch.ones(n)
+        temp = temp.to(torch.float32)
+        bad = torch.nonzero(~torch.isfinite(temp) | (temp < 0)).flatten()
+        if bad.numel():
+            r = int(bad[0])
+            raise DumpError(f"{masks_path}: key 'temperature': {float(temp[r])} is not a finite value >= 0 at row {r}")
+        # Greedy rows (T = 0) have no sampling distribution to compare: they are left out of the
+        # metrics, and run through the ops at T = 1 only so that nothing divides by zero.
+        greedy = temp == 0
+        temp = torch.where(greedy, torch.ones_like(temp), temp)
 
-    with Dump(training_path) as tr:
         nt, vocab = tr.require_logits()
         if nt != n:
             raise tr.err("logits", f"{nt} rows but the mask file {masks_path} has {n} rows")
-        mv = mask.metadata.get("vocab_size")
-        if mv is not None and int(mv) != vocab:
-            raise tr.err("logits", f"vocab size {vocab} does not match the mask file's {int(mv)} ({masks_path})")
-        mask.validate(vocab_size=vocab, source=masks_path)
+        mv = _metadata_int(mask.metadata, "vocab_size", masks_path)
+        if mv is not None and mv != vocab:
+            raise tr.err("logits", f"vocab size {vocab} does not match the mask file's {mv} ({masks_path})")
         flagged = mask.extras.get("outside_support", torch.zeros(n, dtype=torch.bool)).bool()
         # an engine mask may hold unsampled rows (empty support, e.g. forced tokens): nothing to
         # replay there, so they are left out like flagged rows
-        unsampled = mask.lengths().cpu() == 0
-        flagged = flagged | unsampled
+        unsampled = (mask.offsets[1:] - mask.offsets[:-1]).cpu() == 0
+        kept = mask.kept_mass
+        if kept is None:
+            notes.append("no 'kept_mass' in the mask file: kept_mass_mean is computed on the training logits")
+            kept = torch.zeros(n)
 
         from tqdm import tqdm
 
@@ -138,41 +169,58 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
             first, last = rows if rows is not None else (0, n)
             for a in range(first, last, step_rows):
                 b = min(last, a + step_rows)
-                logits = tr.get("logits", a, b)
-                sub = mask.select_rows(a, b)
-                sampled, t = mask.sampled[a:b], temp[a:b]
+                logits = tr.get("logits", a, b, stream=True)  # released when the next chunk is read
+                sub = mask.rows(a, b, vocab)
+                sampled, t = sub.sampled, temp[a:b]
                 if device != "cpu":
                     logits, sub, sampled, t = logits.to(device), sub.to(device), sampled.to(device), t.to(device)
                 full[a:b] = _full(mask_replay, tr, logits, sampled, t, a).cpu()
-                rep[a:b] = _replay(mask_replay, logits, sub, sampled, t, flagged[a:b], masks_path, a).cpu()
+                rep[a:b] = _replay(mask_replay, logits, sub, sampled, t, flagged[a:b] | unsampled[a:b], masks_path, a).cpu()
+                if mask.kept_mass is None:
+                    kept[a:b] = mask_replay.kept_mass(logits, sub, t).cpu()
                 bar.update(b - a)
 
     if combine is not None:
-        combined = combine(rep[first:last], full[first:last])
+        combined = combine(rep[first:last], full[first:last], kept[first:last])
         if combined is None:
             return None
-        rep, full = combined
+        rep, full, kept = combined
     rollout = mask.logprobs.double().numpy()
-    keep = np.isfinite(rollout) & ~flagged.numpy()
-    if bool(greedy.any()):
-        notes.append(f"{int(greedy.sum())} greedy rows (temperature 0) left out of the metrics")
-        keep &= ~greedy.numpy()
-    if bool(unsampled.any()):
-        notes.append(f"{int(unsampled.sum())} rows with an empty support (not sampled by the engine) left out of "
-                     "the metrics")
-    if not (keep | greedy.numpy() | unsampled.numpy()).all():
-        outside = ~keep & ~greedy.numpy() & ~unsampled.numpy()
-        notes.append(f"{int(outside.sum())} rows without a finite rollout log-prob (sampled outside "
-                     "their support) left out of the metrics")
-    kept = mask.kept_mass
-    if kept is None:
-        notes.append("no 'kept_mass' in the mask file: kept_mass_mean is computed on the training logits")
-        kept = _training_kept_mass(mask_replay, training_path, mask, temp, step_rows)
+    greedy_np, flagged_np, unsampled_np = greedy.numpy(), flagged.numpy(), unsampled.numpy()
+    skip = flagged_np | unsampled_np
+    no_train = ~np.isfinite(full.numpy()) & ~skip  # a -inf training logit at the sampled token
+    no_rollout = ~np.isfinite(rollout) & ~skip
+    keep = ~(greedy_np | skip | no_train | no_rollout)
+    if greedy_np.any():
+        n_greedy = int(greedy_np.sum())
+        notes.append(f"{n_greedy} greedy {'row' if n_greedy == 1 else 'rows'} (temperature 0) left out of the metrics")
+    if flagged_np.any():
+        notes.append(f"{_rows(int(flagged_np.sum()))} flagged by capture (--outside flag: sampled token outside "
+                     f"the support), first row {int(np.argmax(flagged_np))}: left out of the metrics")
+    if unsampled_np.any():
+        notes.append(f"{_rows(int(unsampled_np.sum()))} with an empty support (not sampled by the engine), first row "
+                     f"{int(np.argmax(unsampled_np))}: left out of the metrics")
+    if no_rollout.any():
+        notes.append(f"{_rows(int(no_rollout.sum()))} without a finite rollout log-prob, first row "
+                     f"{int(np.argmax(no_rollout))}: left out of the metrics")
+    if no_train.any():
+        notes.append(f"{_rows(int(no_train.sum()))} with a -inf training log-prob (the training logit of the "
+                     f"sampled token is -inf), first row {int(np.argmax(no_train))}: left out of the metrics")
     pick = lambda x: None if x is None else x.numpy()[keep]  # noqa: E731
     step, seq = pick(mask.extras.get("step")), pick(mask.extras.get("sequence"))
     rollout, r, f = rollout[keep], rep.double().numpy()[keep], full.double().numpy()[keep]
     report = build_report(rollout, r, f, kept.double().numpy()[keep], step, seq)
     return ScoreResult(report, rollout, r, f, step, notes)
+
+
+def _metadata_int(meta: dict, key: str, path: str):
+    v = meta.get(key)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise DumpError(f"{path}: metadata '{key}': not an integer ({v!r})") from None
 
 
 def _full(mask_replay, tr, logits, sampled, t, row0):
@@ -204,13 +252,6 @@ def _replay(mask_replay, logits, sub, sampled, t, flagged, masks_path, row0):
     except (RuntimeError, ValueError) as exc:
         if isinstance(exc, DumpError):
             raise
-        raise DumpError(f"{masks_path}: key 'sampled': {shift_row(str(exc), row0)}") from exc
-
-
-def _training_kept_mass(mask_replay, training_path, mask, temp, step_rows):
-    out = torch.empty(mask.num_rows)
-    with Dump(training_path) as tr, torch.no_grad():
-        for a in range(0, mask.num_rows, step_rows):
-            b = min(mask.num_rows, a + step_rows)
-            out[a:b] = mask_replay.kept_mass(tr.get("logits", a, b), mask.select_rows(a, b), temp[a:b])
-    return out
+        # the op's advice (fallback=True) is for Python callers; on the command line the fix is the file
+        message = re.sub(r";? ?pass fallback=True.*", "", shift_row(str(exc), row0))
+        raise DumpError(f"{masks_path}: key 'sampled': {message} (capture with --outside flag records such rows)") from exc

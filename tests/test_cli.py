@@ -385,16 +385,24 @@ def test_unwritable_output(tmp_path, rollout):
 
 @needs_ops
 def test_failed_write_leaves_no_partial_file(tmp_path, rollout, monkeypatch):
-    import safetensors.torch
+    """A full disk mid-capture: one line naming the output file, no partial file, no temp file."""
+    import errno
 
-    def broken_save(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")
-        raise OSError(28, "No space left on device", filename)
+    from mask_replay import safetensors_io
 
-    monkeypatch.setattr(safetensors.torch, "save_file", broken_save)
-    result = run("capture", rollout, "-o", tmp_path / "m.safetensors")
-    assert_one_line_error(result, "No space left on device")
+    real = safetensors_io.StreamWriter._pwrite
+    calls = []
+
+    def full_disk(self, pos, t):
+        calls.append(pos)
+        if len(calls) > 3:  # some bytes went out first, as on a real disk filling up
+            raise OSError(errno.ENOSPC, "No space left on device")  # no file name, as os.write gives
+        return real(self, pos, t)
+
+    monkeypatch.setattr(safetensors_io.StreamWriter, "_pwrite", full_disk)
+    out = tmp_path / "m.safetensors"
+    result = run("capture", rollout, "-o", out)
+    assert_one_line_error(result, "No space left on device", str(out))
     assert_clean(tmp_path, "m.safetensors")
 
 
@@ -440,7 +448,8 @@ def test_score_sampled_outside_recorded_support(tmp_path, captured):
     bad = write(tmp_path / "bad.safetensors", tensors)
     training = write(tmp_path / "t.safetensors", {"logits": make_logits()})
     result = run("score", "--masks", bad, "--training", training, "--chunk-rows", "5")
-    assert_one_line_error(result, "bad.safetensors", "key 'sampled'", f"row {row}")
+    assert_one_line_error(result, "bad.safetensors", "key 'sampled'", f"row {row}", "--outside flag")
+    assert "fallback=True" not in result.stderr
 
 
 def test_score_mask_file_missing_key(tmp_path):

@@ -106,13 +106,13 @@ def score_under_torchrun(masks, training, *, chunk_rows=None, device="cpu", prog
     with process_group(device) as ranks:
         state = {"combined": False, "rows": None}
 
-        def combine(replay, no_replay):
+        def combine(*arrays):  # each rank's share of every per-row array, in global row order on rank 0
             state["combined"] = True
             ranks.agree(None)
-            parts = ranks.gather_to_0((replay.numpy(), no_replay.numpy()))
+            parts = ranks.gather_to_0(tuple(a.numpy() for a in arrays))
             if ranks.rank != 0:
                 return None
-            return tuple(torch.from_numpy(np.concatenate([p[i] for p in parts])) for i in (0, 1))
+            return tuple(torch.from_numpy(np.concatenate([p[i] for p in parts])) for i in range(len(arrays)))
 
         try:
             with Dump(masks) as d:
