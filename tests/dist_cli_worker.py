@@ -31,10 +31,10 @@ def trace(prefix):
 
     read, get = [], Dump.get
 
-    def logged(self, key, start=None, stop=None):
+    def logged(self, key, start=None, stop=None, **kwargs):
         if key == "logits":
             read.append([os.path.basename(self.path), start, stop])
-        return get(self, key, start, stop)
+        return get(self, key, start, stop, **kwargs)
 
     Dump.get = logged
     atexit.register(lambda: open(f"{prefix}{os.environ['RANK']}.json", "w").write(json.dumps(read)))

@@ -535,7 +535,7 @@ def test_score_leaves_unsampled_rows_out(tmp_path):
     assert run("convert", src, "-o", masks, "--from", "vllm-json", "--temperature", "0.8").exit_code == 0
     result = run("score", "--masks", masks, "--training", train, "--json", report)
     assert result.exit_code == 0, result.output
-    assert "1 rows with an empty support" in result.stderr
+    assert "1 row with an empty support" in result.stderr
     assert "sampled outside" not in result.stderr
     rep = json.loads(report.read_text())
     assert rep["tokens"] == 14
