@@ -8,6 +8,7 @@ from mask_replay import __version__
 from mask_replay.cli.common import CONTEXT
 from mask_replay.cli.capture import capture
 from mask_replay.cli.demo import demo
+from mask_replay.cli.example import example
 from mask_replay.cli.info import info
 from mask_replay.cli.inspect import inspect
 from mask_replay.cli.score import score
@@ -26,7 +27,7 @@ def main():
     """
 
 
-for command in (capture, score, inspect, demo, info):
+for command in (capture, score, inspect, demo, example, info):
     main.add_command(command)
 
 

