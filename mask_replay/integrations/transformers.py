@@ -39,15 +39,18 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "mask_replay.integrations.transformers needs transformers: pip install 'mask-replay[hf]'") from exc
 
 import mask_replay
+from mask_replay._ext import ops
 from mask_replay.integrations._steplog import StepLog
-from mask_replay.params import describe
+from mask_replay.params import describe, expand_params
 
 __all__ = ["MaskRecorder", "SupportWarper", "generate", "hf_warpers", "WARPERS_OFF"]
 
 # generate() arguments that switch off every warper it would append itself (including its default
-# top_k = 50), so that the caller's chain is the only truncation applied.
-WARPERS_OFF = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
-                   eta_cutoff=0.0, top_h=None)
+# top_k = 50), so that the caller's chain is the only truncation applied; only those this version of
+# transformers knows (top_h is recent).
+WARPERS_OFF = {key: value for key, value in dict(
+    temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+    top_h=None).items() if hasattr(transformers.GenerationConfig(), key)}
 
 
 def _check_sampling(temperature, top_k, top_p, min_p):
@@ -176,24 +179,36 @@ class SupportWarper(_Recording, LogitsProcessor):
         self._log = StepLog()
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.dim() != 2:
+            raise ValueError(f"scores must be [batch, vocab], got shape {tuple(scores.shape)}")
         if self.record:
             self._log.begin(input_ids, scores)
-        support = mask_replay.capture(scores, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                      min_p=self.min_p)
-        rows, ids = support.row_ids(), support.token_ids.long()
-        t = torch.tensor(self.temperature, dtype=torch.float32, device=scores.device)
+        n = scores.shape[0]
+        t, k, p, mp = expand_params(n, scores.device, self.temperature, self.top_k, self.top_p, self.min_p)
+        # one capture pass gives the support and, when recording, the full normaliser for kept_mass
+        token_ids, offsets, logz = ops.capture(scores, t, k, p, mp, self.record)
+        support = mask_replay.SamplingMask(token_ids, offsets)
+        rows, ids = support.row_ids(), token_ids.long()
+        values = scores[rows, ids].float() / t[rows]  # capture's x = float32(z) / float32(T)
         out = torch.full(scores.shape, float("-inf"), dtype=torch.float32, device=scores.device)
-        out[rows, ids] = scores[rows, ids].float() / t  # capture's x = float32(z) / float32(T)
+        out[rows, ids] = values
         if self.record:
-            self._log.add_csr(support.token_ids, support.lengths())
-            lse = torch.logsumexp(out, dim=-1)
-            kept = mask_replay.kept_mass(scores, support, self.temperature)
-            self._log.end(out, lse, kept)
+            self._log.add_csr(token_ids, support.lengths())
+            lse = _segment_logsumexp(values, rows, n)  # O(support), not another pass over [B, V]
+            self._log.end(out, lse, torch.exp(lse - logz.double()).float())
         return out
 
     def _metadata(self) -> dict:
         return {"recorded_by": "mask_replay.integrations.transformers.SupportWarper",
                 "params": describe(self.temperature, self.top_k, self.top_p, self.min_p)}
+
+
+def _segment_logsumexp(values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """logsumexp of each row's values (float64 [n]; -inf for an empty row), without a host sync."""
+    v = values.double()
+    top = torch.full((n,), float("-inf"), dtype=torch.float64, device=v.device).scatter_reduce(0, rows, v, "amax")
+    total = torch.zeros(n, dtype=torch.float64, device=v.device).index_add_(0, rows, torch.exp(v - top[rows]))
+    return top + torch.log(total)
 
 
 def generate(model, inputs, recorder: Union[MaskRecorder, SupportWarper, None] = None, *,
