@@ -2,7 +2,7 @@
 transformers samples, a bf16 trainer's log-probs scored with and without replay."""
 import click
 
-from mask_replay.cli.common import CONTEXT, CliError, console, fmt, one_line_errors
+from mask_replay.cli.common import CONTEXT, CliError, console, one_line_errors
 
 
 @click.command(context_settings=CONTEXT)
@@ -31,18 +31,19 @@ def example(out, prompts, max_new_tokens, engine_dtype, seed):
     except ImportError as exc:  # transformers missing: mask_replay.integrations names the extra
         raise CliError(str(exc)) from exc
     c = console()
-    scores = Table(title="importance ratio r = exp(training - rollout), per token", title_justify="left")
-    for col in ("sampling/recorder", "tokens", "mean |K|", "kept mass", "r no replay", "r replay",
-                "KL k3 no replay", "KL k3 replay"):
-        scores.add_column(col, justify="right")
-    agree = Table(title="capture from the saved logits vs the recorded mask (rows identical)", title_justify="left")
-    for col in ("sampling/recorder", "profile", "rows", "agree", "capture keeps more", "keeps fewer", "other"):
-        agree.add_column(col, justify="right")
-    for name, run in result["runs"].items():
-        rep = run["report"]
-        scores.add_row(name, str(run["tokens"]), fmt(run["support_mean"]), fmt(rep["kept_mass_mean"]),
-                       fmt(rep["no_replay"]["importance_ratio_mean"]), fmt(rep["replay"]["importance_ratio_mean"]),
-                       fmt(rep["no_replay"]["kl_k3"]), fmt(rep["replay"]["kl_k3"]))
+    # short headers: the tables must stay readable at 80 columns (logs, CI)
+    scores = Table(title="r = exp(training - rollout) per token; full = no replay; sw = SupportWarper", title_justify="left")
+    for col in ("run", "tokens", "|K|", "kept", "r full", "r replay", "k3 full", "k3 replay"):
+        scores.add_column(col, justify="right", no_wrap=True)
+    agree = Table(title="capture from the saved logits vs the recorded mask (rows identical; capture keeps "
+                        "more / fewer / other tokens)", title_justify="left")
+    for col in ("run", "profile", "rows", "agree", "more", "fewer", "other"):
+        agree.add_column(col, justify="right", no_wrap=True)
+    for run_name, run in result["runs"].items():
+        rep, name = run["report"], run_name.replace("support_warper", "sw")
+        scores.add_row(name, str(run["tokens"]), f"{run['support_mean']:.1f}", f"{rep['kept_mass_mean']:.4f}",
+                       f"{rep['no_replay']['importance_ratio_mean']:.4f}", f"{rep['replay']['importance_ratio_mean']:.4f}",
+                       f"{rep['no_replay']['kl_k3']:.2e}", f"{rep['replay']['kl_k3']:.2e}")
         for profile, a in run["capture_agreement"].items():
             agree.add_row(name, profile, str(a["rows"]), f"{100 * a['agree']:.1f}%", str(a["capture_superset"]),
                           str(a["capture_subset"]), str(a["other"]))
