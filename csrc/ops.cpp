@@ -6,8 +6,10 @@
 
 TORCH_LIBRARY(mask_replay, m) {
   // Support of the truncated sampling distribution as CSR. Parameters are per-row tensors
-  // (temperature f32, top_k i64, top_p f64, min_p f64). logz is logsumexp(logits / T) over the
-  // whole row (f32), computed only when compute_logz, else an empty tensor.
+  // (temperature f32, top_k i64, top_p f64, min_p f64). logz is the selection's own normaliser
+  // (f32), the log of the fixed-point masses' sum (masses below 2^-40 of the max count as 0),
+  // computed only when compute_logz, else an empty tensor. The kept mass of a mask is not taken
+  // from it but from kept_mass, whose logZ is full_fwd's.
   m.def("capture(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
         "bool compute_logz) -> (Tensor token_ids, Tensor offsets, Tensor logz)");
   // Same support into a fixed [N, width] buffer padded with -1, per-row counts (the true support

@@ -4,6 +4,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -27,21 +28,27 @@ A logit(const T* row, int64_t s1, int64_t j, A t) {
   return static_cast<A>(row[j * s1]) / t;
 }
 
-// Logsumexp of a whole row of x = z / t in one pass over memory: each chunk is staged once, its
-// max taken, then its exps summed; exp_nonpos is branch free, so that loop vectorises.
+// Logsumexp of a whole row of x = z / t: the one definition of logZ that full_logprobs,
+// kept_mass and capture's kept mass share. float rows (any layout) take the vectorised pass: x
+// staged once with its max, then the sum of det_exp(x - max) in double; rows with NaN/+inf, and
+// float64 rows, take the chunked loop below, which decides what they return.
 template <class T, class A>
 double full_row_lse(const T* row, int64_t s1, int64_t vocab, A t) {
   if constexpr (std::is_same_v<A, float> && !std::is_same_v<T, double>) {
-    if (s1 == 1) {
-      // Fast path (contiguous fp32/bf16/fp16 rows): the capture kernel's vectorised load and
-      // exp. Rows with NaN/+inf take the general loop below, which decides what they return.
-      static thread_local std::vector<float> x;
-      x.resize(vocab);
-      const cpu::LoadResult lr = cpu::load_row(row, vocab, t, x.data());
-      if (lr.bad_code == 0) {
-        if (lr.max == neg_inf<float>()) return -std::numeric_limits<double>::infinity();
-        return lse_value(lr.max, cpu::sum_exp_shifted(x.data(), vocab, lr.max));
-      }
+    // A strided row is gathered first, so its result is bit-identical to the contiguous row's.
+    static thread_local std::vector<T> gathered;
+    const T* src = row;
+    if (s1 != 1) {
+      gathered.resize(vocab);
+      for (int64_t i = 0; i < vocab; ++i) gathered[i] = row[i * s1];
+      src = gathered.data();
+    }
+    static thread_local std::vector<float> x;
+    x.resize(vocab);
+    const cpu::LoadResult lr = cpu::load_row(src, vocab, t, x.data());
+    if (lr.bad_code == 0) {
+      if (lr.max == neg_inf<float>()) return -std::numeric_limits<double>::infinity();
+      return lse_value(lr.max, cpu::sum_exp_shifted(x.data(), vocab, lr.max));
     }
   }
   A m = neg_inf<A>();
@@ -101,35 +108,32 @@ struct RowOut {
   int8_t status = kReplayed;
 };
 
+// Logsumexp over row r's support (entries checked as read) and the sampled token's x (y = -1: none).
 template <class T, class A>
-RowOut replay_row(const T* row, int64_t s1, int64_t vocab, const int32_t* ids, int64_t lo, int64_t hi, int64_t nnz,
-                  float tf, int64_t y, bool fallback) {
+int8_t support_lse(const T* row, int64_t s1, const RowInputs& in, int64_t r, A t, int64_t y, A& m, double& s, A& xy,
+                   bool& found) {
+  return support_scan(in.ids, in.off[r], in.off[r + 1], in.vocab, y, [&](int64_t id) { return logit(row, s1, id, t); },
+                      m, s, xy, found);
+}
+
+template <class T, class A>
+RowOut replay_row(const T* row, int64_t s1, const RowInputs& in, int64_t r, bool fallback) {
   RowOut o;
-  o.status = precheck_row(lo, hi, nnz, tf, y, vocab, true);
+  o.status = precheck_row(in, r);
   if (o.status != kReplayed) return o;
-  const A t = static_cast<A>(tf);
-  A m = neg_inf<A>(), xy = 0;
-  double s = 0.0;
-  bool found = false;
-  int64_t prev = -1;
-  for (int64_t e = lo; e < hi; ++e) {
-    const int64_t id = ids[e];
-    o.status = check_entry(id, prev, vocab);
-    if (o.status != kReplayed) return o;
-    prev = id;
-    const A x = logit(row, s1, id, t);
-    lse_push(m, s, x);
-    if (id == y) {
-      found = true;
-      xy = x;
-    }
-  }
-  o.status = row_decision(hi - lo, found, fallback);
+  const A t = static_cast<A>(in.ts[r]);
+  const int64_t y = in.ys[r];
+  A m, xy = 0;
+  double s;
+  bool found;
+  o.status = support_lse(row, s1, in, r, t, y, m, s, xy, found);
+  if (o.status != kReplayed) return o;
+  o.status = row_decision(in.off[r + 1] - in.off[r], found, fallback);
   if (o.status < 0) return o;
   if (o.status == kReplayed) {
     o.lse = lse_value(m, s);
   } else {
-    o.lse = full_row_lse(row, s1, vocab, t);
+    o.lse = full_row_lse(row, s1, in.vocab, t);
     xy = logit(row, s1, y, t);
   }
   o.logp = static_cast<double>(xy) - o.lse;
@@ -139,194 +143,168 @@ RowOut replay_row(const T* row, int64_t s1, int64_t vocab, const int32_t* ids, i
 std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_fwd_cpu(const at::Tensor& logits, const at::Tensor& token_ids,
                                                               const at::Tensor& offsets, const at::Tensor& sampled,
                                                               const at::Tensor& temperature, bool fallback) {
-  check_replay_args("replay", logits, token_ids, offsets, sampled, temperature);
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ys = sampled.contiguous(),
-                   ts = temperature.contiguous();
-  const int64_t n = logits.size(0), vocab = logits.size(1), nnz = ids.numel();
-  const auto out = logits.options().dtype(replay_out_dtype(logits.scalar_type()));
-  at::Tensor logp = at::empty({n}, out), lse = at::empty({n}, out);
-  at::Tensor status = at::empty({n}, logits.options().dtype(at::kChar));
+  const RowOperands a = replay_operands("replay", logits, token_ids, offsets, sampled, temperature);
+  const RowInputs in = a.view();
+  ForwardOutputs f = forward_outputs(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "replay_fwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-    const int32_t* idp = ids.const_data_ptr<int32_t>();
-    const int64_t* op = off.const_data_ptr<int64_t>();
-    const int64_t* yp = ys.const_data_ptr<int64_t>();
-    const float* tp = ts.const_data_ptr<float>();
-    A* lp = logp.data_ptr<A>();
-    A* lsp = lse.data_ptr<A>();
-    int8_t* sp = status.data_ptr<int8_t>();
-    at::parallel_for(0, n, kSparseGrain, [&](int64_t r0, int64_t r1) {
+    A* lp = f.logp.data_ptr<A>();
+    A* lsp = f.lse.data_ptr<A>();
+    int8_t* sp = f.status.data_ptr<int8_t>();
+    at::parallel_for(0, a.n, kSparseGrain, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const RowOut o = replay_row<scalar_t, A>(z + r * s0, s1, vocab, idp, op[r], op[r + 1], nnz, tp[r], yp[r],
-                                                 fallback);
+        const RowOut o = replay_row<scalar_t, A>(z + r * s0, s1, in, r, fallback);
         lp[r] = static_cast<A>(o.logp);
         lsp[r] = static_cast<A>(o.lse);
         sp[r] = o.status;
       }
     });
   });
-  raise_row_error("replay", status, off, nnz, ys, ts, vocab);
-  return {logp, lse, status};
+  raise_row_error("replay", f.status, a);
+  return {f.logp, f.lse, f.status};
 }
 
 at::Tensor replay_bwd_cpu(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& token_ids,
                           const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
                           const at::Tensor& lse, const at::Tensor& status) {
-  check_replay_args("replay_bwd", logits, token_ids, offsets, sampled, temperature);
-  const int64_t n = logits.size(0), vocab = logits.size(1);
-  check_saved("replay_bwd", grad, lse, &status, n, replay_out_dtype(logits.scalar_type()), logits.device());
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ys = sampled.contiguous(),
-                   ts = temperature.contiguous(), g = grad.contiguous(), ls = lse.contiguous(),
-                   st = status.contiguous();
-  const int64_t nnz = ids.numel();
+  const RowOperands a = replay_operands("replay_bwd", logits, token_ids, offsets, sampled, temperature);
+  const SavedOperands sv =
+      saved_operands("replay_bwd", grad, lse, status, a.n, replay_out_dtype(logits.scalar_type()), logits.device());
+  const RowInputs in = a.view();
+  const int64_t vocab = a.vocab;
   // The only [N, V] allocation: the gradient itself, zeroed row by row in the same parallel pass
   // that scatters K, so each row is touched once and by the thread that fills it.
-  at::Tensor out = at::empty({n, vocab}, logits.options());
+  at::Tensor out = at::empty({a.n, vocab}, logits.options());
+  at::Tensor err = row_status(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "replay_bwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-    const int32_t* idp = ids.const_data_ptr<int32_t>();
-    const int64_t* op = off.const_data_ptr<int64_t>();
-    const int64_t* yp = ys.const_data_ptr<int64_t>();
-    const float* tp = ts.const_data_ptr<float>();
-    const A* gp = g.const_data_ptr<A>();
-    const A* lsp = ls.const_data_ptr<A>();
-    const int8_t* sp = st.const_data_ptr<int8_t>();
+    const A* gp = sv.g.const_data_ptr<A>();
+    const A* lsp = sv.ls.const_data_ptr<A>();
+    const int8_t* sp = sv.st.const_data_ptr<int8_t>();
+    int8_t* ep = err.data_ptr<int8_t>();
     scalar_t* outp = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n, kSparseGrain, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, a.n, kSparseGrain, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         scalar_t* o = outp + r * vocab;
+        // The saved tensors are inputs like any other: this row's offsets, ids, sampled token
+        // and temperature are checked again before anything is dereferenced.
+        int8_t e = precheck_row(in, r);
+        if (e == kReplayed) e = check_entries(in.ids, in.off[r], in.off[r + 1], vocab);
+        ep[r] = e;
+        if (e != kReplayed) continue;  // raised below
         const scalar_t* row = z + r * s0;
-        const A t = static_cast<A>(tp[r]);
+        const A t = static_cast<A>(in.ts[r]);
         const A gt = gp[r] / t;
         const double l = static_cast<double>(lsp[r]);
         if (sp[r] > 0) {
-          full_row_grad<scalar_t, A>(row, s1, vocab, t, l, gt, yp[r], o);
+          full_row_grad<scalar_t, A>(row, s1, vocab, t, l, gt, in.ys[r], o);
           continue;
         }
         std::memset(static_cast<void*>(o), 0, sizeof(scalar_t) * vocab);  // zero is all-bits-zero in every dtype
         if (sp[r] < 0) continue;
-        // The forward validated these; the bounds only keep a direct misuse of the op memory safe.
-        const int64_t lo = std::max<int64_t>(op[r], 0), hi = std::min(op[r + 1], nnz);
-        for (int64_t e = lo; e < hi; ++e) {
-          const int64_t id = idp[e];
-          if (id < 0 || id >= vocab) continue;
-          const A q = prob_of(logit(row, s1, id, t), l);
-          o[id] = static_cast<scalar_t>(grad_coef(gt, q, id == yp[r]));
+        for (int64_t q = in.off[r]; q < in.off[r + 1]; ++q) {
+          const int64_t id = in.ids[q];
+          const A p = prob_of(logit(row, s1, id, t), l);
+          o[id] = static_cast<scalar_t>(grad_coef(gt, p, id == in.ys[r]));
         }
       }
     });
   });
+  raise_row_error("replay_bwd", err, a);
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> full_fwd_cpu(const at::Tensor& logits, const at::Tensor& sampled,
                                                 const at::Tensor& temperature) {
-  check_logits("full_logprobs", logits);
-  const int64_t n = logits.size(0), vocab = logits.size(1);
-  check_vec("full_logprobs", sampled, "sampled", n, at::kLong, logits.device());
-  check_vec("full_logprobs", temperature, "temperature", n, at::kFloat, logits.device());
-  const at::Tensor ys = sampled.contiguous(), ts = temperature.contiguous();
-  const auto out = logits.options().dtype(replay_out_dtype(logits.scalar_type()));
-  at::Tensor logp = at::empty({n}, out), lse = at::empty({n}, out);
-  at::Tensor status = at::empty({n}, logits.options().dtype(at::kChar));
+  const RowOperands a = full_operands("full_logprobs", logits, sampled, temperature);
+  const RowInputs in = a.view();
+  ForwardOutputs f = forward_outputs(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "full_fwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-    const int64_t* yp = ys.const_data_ptr<int64_t>();
-    const float* tp = ts.const_data_ptr<float>();
-    A* lp = logp.data_ptr<A>();
-    A* lsp = lse.data_ptr<A>();
-    int8_t* sp = status.data_ptr<int8_t>();
-    at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    A* lp = f.logp.data_ptr<A>();
+    A* lsp = f.lse.data_ptr<A>();
+    int8_t* sp = f.status.data_ptr<int8_t>();
+    at::parallel_for(0, a.n, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        sp[r] = precheck_row(0, 0, 0, tp[r], yp[r], vocab, true);
+        sp[r] = precheck_row(in, r);
         if (sp[r] != kReplayed) continue;
-        const A t = static_cast<A>(tp[r]);
+        const A t = static_cast<A>(in.ts[r]);
         const scalar_t* row = z + r * s0;
-        const double l = full_row_lse(row, s1, vocab, t);
+        const double l = full_row_lse(row, s1, a.vocab, t);
         lsp[r] = static_cast<A>(l);
-        lp[r] = static_cast<A>(static_cast<double>(logit(row, s1, yp[r], t)) - l);
+        lp[r] = static_cast<A>(static_cast<double>(logit(row, s1, in.ys[r], t)) - l);
       }
     });
   });
-  raise_row_error("full_logprobs", status, at::zeros({n + 1}, at::kLong), 0, ys, ts, vocab);
-  return {logp, lse};
+  raise_row_error("full_logprobs", f.status, a);
+  return {f.logp, f.lse};
 }
 
 at::Tensor full_bwd_cpu(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& sampled,
                         const at::Tensor& temperature, const at::Tensor& lse) {
-  check_logits("full_logprobs_bwd", logits);
-  const int64_t n = logits.size(0), vocab = logits.size(1);
-  check_vec("full_logprobs_bwd", sampled, "sampled", n, at::kLong, logits.device());
-  check_vec("full_logprobs_bwd", temperature, "temperature", n, at::kFloat, logits.device());
-  check_saved("full_logprobs_bwd", grad, lse, nullptr, n, replay_out_dtype(logits.scalar_type()), logits.device());
-  const at::Tensor ys = sampled.contiguous(), ts = temperature.contiguous(), g = grad.contiguous(),
-                   ls = lse.contiguous();
-  at::Tensor out = at::empty({n, vocab}, logits.options());
+  const RowOperands a = full_operands("full_logprobs_bwd", logits, sampled, temperature);
+  const SavedOperands sv = saved_operands("full_logprobs_bwd", grad, lse, at::Tensor(), a.n,
+                                          replay_out_dtype(logits.scalar_type()), logits.device());
+  const RowInputs in = a.view();
+  at::Tensor out = at::empty({a.n, a.vocab}, logits.options());
+  at::Tensor err = row_status(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "full_bwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-    const int64_t* yp = ys.const_data_ptr<int64_t>();
-    const float* tp = ts.const_data_ptr<float>();
-    const A* gp = g.const_data_ptr<A>();
-    const A* lsp = ls.const_data_ptr<A>();
+    const A* gp = sv.g.const_data_ptr<A>();
+    const A* lsp = sv.ls.const_data_ptr<A>();
+    int8_t* ep = err.data_ptr<int8_t>();
     scalar_t* outp = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, a.n, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const A t = static_cast<A>(tp[r]);
-        const int64_t y = std::clamp<int64_t>(yp[r], 0, vocab - 1);  // validated by the forward
-        full_row_grad<scalar_t, A>(z + r * s0, s1, vocab, t, static_cast<double>(lsp[r]), gp[r] / t, y,
-                                   outp + r * vocab);
+        ep[r] = precheck_row(in, r);
+        if (ep[r] != kReplayed) continue;  // raised below
+        const A t = static_cast<A>(in.ts[r]);
+        full_row_grad<scalar_t, A>(z + r * s0, s1, a.vocab, t, static_cast<double>(lsp[r]), gp[r] / t, in.ys[r],
+                                   outp + r * a.vocab);
       }
     });
   });
+  raise_row_error("full_logprobs_bwd", err, a);
   return out;
 }
 
 at::Tensor kept_mass_cpu(const at::Tensor& logits, const at::Tensor& token_ids, const at::Tensor& offsets,
                          const at::Tensor& temperature) {
-  check_replay_args("kept_mass", logits, token_ids, offsets, at::Tensor(), temperature);
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ts = temperature.contiguous();
-  const int64_t n = logits.size(0), vocab = logits.size(1), nnz = ids.numel();
-  at::Tensor kept = at::empty({n}, logits.options().dtype(replay_out_dtype(logits.scalar_type())));
-  at::Tensor status = at::empty({n}, logits.options().dtype(at::kChar));
+  const RowOperands a = replay_operands("kept_mass", logits, token_ids, offsets, at::Tensor(), temperature);
+  const RowInputs in = a.view();
+  at::Tensor kept = at::empty({a.n}, logits.options().dtype(replay_out_dtype(logits.scalar_type())));
+  at::Tensor status = row_status(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "kept_mass_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-    const int32_t* idp = ids.const_data_ptr<int32_t>();
-    const int64_t* op = off.const_data_ptr<int64_t>();
-    const float* tp = ts.const_data_ptr<float>();
     A* kp = kept.data_ptr<A>();
     int8_t* sp = status.data_ptr<int8_t>();
-    at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, a.n, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const int64_t lo = op[r], hi = op[r + 1];
-        int8_t st = precheck_row(lo, hi, nnz, tp[r], 0, vocab, false);
-        const A t = static_cast<A>(tp[r]);
+        sp[r] = precheck_row(in, r);
+        if (sp[r] != kReplayed) continue;
+        const A t = static_cast<A>(in.ts[r]);
         const scalar_t* row = z + r * s0;
-        A m = neg_inf<A>();
-        double s = 0.0;
-        int64_t prev = -1;
-        for (int64_t e = lo; st == kReplayed && e < hi; ++e) {
-          st = check_entry(idp[e], prev, vocab);
-          prev = idp[e];
-          if (st == kReplayed) lse_push(m, s, logit(row, s1, prev, t));
-        }
-        sp[r] = st;
-        if (st != kReplayed) continue;
+        A m, xy = 0;
+        double s;
+        bool found;
+        sp[r] = support_lse(row, s1, in, r, t, int64_t(-1), m, s, xy, found);
+        if (sp[r] != kReplayed) continue;
         // An empty support keeps no mass: lse_K = -inf gives exp(-inf) = 0.
-        kp[r] = static_cast<A>(::exp(lse_value(m, s) - full_row_lse(row, s1, vocab, t)));
+        kp[r] = static_cast<A>(kept_fraction(lse_value(m, s), full_row_lse(row, s1, a.vocab, t)));
       }
     });
   });
-  raise_row_error("kept_mass", status, off, nnz, at::Tensor(), ts, vocab);
+  raise_row_error("kept_mass", status, a);
   return kept;
 }
 

@@ -5,6 +5,9 @@
 // forward's only synchronisation).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -93,30 +96,38 @@ __device__ int warp_support_lse(const T* row, int64_t s1, int64_t vocab, const i
   return warp_min(bad);
 }
 
+// Checks row r's entries across the warp (each lane an entry and its predecessor); uniform result.
+__device__ int warp_check_entries(const RowInputs& in, int64_t r) {
+  const int64_t lo = in.off[r], hi = in.off[r + 1];
+  int bad = kReplayed;
+  for (int64_t e = lo + lane_id(); e < hi; e += kWarp)
+    bad = min(bad, static_cast<int>(check_entry(in.ids[e], e > lo ? static_cast<int64_t>(in.ids[e - 1]) : -1,
+                                                in.vocab)));
+  return warp_min(bad);
+}
+
 template <class T, class A>
-__global__ void replay_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, int64_t n, int64_t vocab,
-                                  const int32_t* __restrict__ ids, const int64_t* __restrict__ off, int64_t nnz,
-                                  const int64_t* __restrict__ ys, const float* __restrict__ ts, bool fallback,
+__global__ void replay_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in, bool fallback,
                                   A* __restrict__ logp, A* __restrict__ lse, int8_t* __restrict__ status) {
   const int64_t r = warp_item();
-  if (r >= n) return;
-  const int64_t lo = off[r], hi = off[r + 1], y = ys[r];
-  int st = precheck_row(lo, hi, nnz, ts[r], y, vocab, true);
+  if (r >= in.n) return;
+  int st = precheck_row(in, r);
   const T* row = z + r * s0;
-  const A t = static_cast<A>(ts[r]);
+  const A t = static_cast<A>(in.ts[r]);
   double l = 0.0;
   A xy = 0;
   if (st == kReplayed) {
+    const int64_t lo = in.off[r], hi = in.off[r + 1];
     A m;
     double s;
     bool found;
-    st = warp_support_lse(row, s1, vocab, ids, lo, hi, y, t, m, s, xy, found);
+    st = warp_support_lse(row, s1, in.vocab, in.ids, lo, hi, in.ys[r], t, m, s, xy, found);
     if (st == kReplayed) st = row_decision(hi - lo, found, fallback);
     if (st == kReplayed) l = lse_value(m, s);
   }
   if (st > 0) {
-    l = warp_full_lse(row, s1, vocab, t);
-    xy = logit_at(row, s1, y, t);
+    l = warp_full_lse(row, s1, in.vocab, t);
+    xy = logit_at(row, s1, in.ys[r], t);
   }
   if (lane_id() == 0) {
     status[r] = static_cast<int8_t>(st);
@@ -126,48 +137,47 @@ __global__ void replay_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s
 }
 
 // out is zero-filled beforehand; replayed rows scatter their |K| entries, fallback rows write all.
+// The saved tensors are inputs like any other: each row is checked again (errors to err).
 template <class T, class A>
-__global__ void replay_bwd_kernel(const A* __restrict__ g, const T* __restrict__ z, int64_t s0, int64_t s1, int64_t n,
-                                  int64_t vocab, const int32_t* __restrict__ ids, const int64_t* __restrict__ off,
-                                  int64_t nnz, const int64_t* __restrict__ ys, const float* __restrict__ ts,
-                                  const A* __restrict__ lse, const int8_t* __restrict__ status, T* __restrict__ out) {
+__global__ void replay_bwd_kernel(const A* __restrict__ g, const T* __restrict__ z, int64_t s0, int64_t s1,
+                                  const RowInputs in, const A* __restrict__ lse, const int8_t* __restrict__ status,
+                                  T* __restrict__ out, int8_t* __restrict__ err) {
   const int64_t r = warp_item();
-  if (r >= n) return;
+  if (r >= in.n) return;
+  int e = precheck_row(in, r);
+  if (e == kReplayed) e = warp_check_entries(in, r);
+  if (lane_id() == 0) err[r] = static_cast<int8_t>(e);
   const int8_t st = status[r];
-  if (st < 0) return;
+  if (e != kReplayed || st < 0) return;
   const T* row = z + r * s0;
-  T* o = out + r * vocab;
-  const A t = static_cast<A>(ts[r]);
+  T* o = out + r * in.vocab;
+  const A t = static_cast<A>(in.ts[r]);
   const A gt = g[r] / t;
   const double l = static_cast<double>(lse[r]);
-  const int64_t y = ys[r];
+  const int64_t y = in.ys[r];
   if (st > 0) {
-    for (int64_t j = lane_id(); j < vocab; j += kWarp)
+    for (int64_t j = lane_id(); j < in.vocab; j += kWarp)
       o[j] = static_cast<T>(grad_coef(gt, prob_of(logit_at(row, s1, j, t), l), j == y));
     return;
   }
-  // The forward validated the row; the bounds only keep a direct misuse of the op memory safe.
-  const int64_t lo = max(off[r], int64_t(0)), hi = min(off[r + 1], nnz);
-  for (int64_t e = lo + lane_id(); e < hi; e += kWarp) {
-    const int64_t id = ids[e];
-    if (id < 0 || id >= vocab) continue;
+  for (int64_t q = in.off[r] + lane_id(); q < in.off[r + 1]; q += kWarp) {
+    const int64_t id = in.ids[q];
     o[id] = static_cast<T>(grad_coef(gt, prob_of(logit_at(row, s1, id, t), l), id == y));
   }
 }
 
 template <class T, class A>
-__global__ void full_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, int64_t n, int64_t vocab,
-                                const int64_t* __restrict__ ys, const float* __restrict__ ts, A* __restrict__ logp,
-                                A* __restrict__ lse, int8_t* __restrict__ status) {
+__global__ void full_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in,
+                                A* __restrict__ logp, A* __restrict__ lse, int8_t* __restrict__ status) {
   const int64_t r = warp_item();
-  if (r >= n) return;
-  const int st = precheck_row(0, 0, 0, ts[r], ys[r], vocab, true);
+  if (r >= in.n) return;
+  const int st = precheck_row(in, r);
   double l = 0.0, lp = 0.0;
   if (st == kReplayed) {
     const T* row = z + r * s0;
-    const A t = static_cast<A>(ts[r]);
-    l = warp_full_lse(row, s1, vocab, t);
-    lp = static_cast<double>(logit_at(row, s1, ys[r], t)) - l;
+    const A t = static_cast<A>(in.ts[r]);
+    l = warp_full_lse(row, s1, in.vocab, t);
+    lp = static_cast<double>(logit_at(row, s1, in.ys[r], t)) - l;
   }
   if (lane_id() == 0) {
     status[r] = static_cast<int8_t>(st);
@@ -177,38 +187,39 @@ __global__ void full_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1,
 }
 
 template <class T, class A>
-__global__ void full_bwd_kernel(const A* __restrict__ g, const T* __restrict__ z, int64_t s0, int64_t s1, int64_t n,
-                                int64_t vocab, const int64_t* __restrict__ ys, const float* __restrict__ ts,
-                                const A* __restrict__ lse, T* __restrict__ out) {
+__global__ void full_bwd_kernel(const A* __restrict__ g, const T* __restrict__ z, int64_t s0, int64_t s1,
+                                const RowInputs in, const A* __restrict__ lse, T* __restrict__ out,
+                                int8_t* __restrict__ err) {
   const int64_t r = warp_item();
-  if (r >= n) return;
+  if (r >= in.n) return;
+  const int e = precheck_row(in, r);
+  if (lane_id() == 0) err[r] = static_cast<int8_t>(e);
+  if (e != kReplayed) return;
   const T* row = z + r * s0;
-  T* o = out + r * vocab;
-  const A t = static_cast<A>(ts[r]);
+  T* o = out + r * in.vocab;
+  const A t = static_cast<A>(in.ts[r]);
   const A gt = g[r] / t;
   const double l = static_cast<double>(lse[r]);
-  const int64_t y = ys[r];
-  for (int64_t j = lane_id(); j < vocab; j += kWarp)
+  const int64_t y = in.ys[r];
+  for (int64_t j = lane_id(); j < in.vocab; j += kWarp)
     o[j] = static_cast<T>(grad_coef(gt, prob_of(logit_at(row, s1, j, t), l), j == y));
 }
 
 template <class T, class A>
-__global__ void kept_mass_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, int64_t n, int64_t vocab,
-                                 const int32_t* __restrict__ ids, const int64_t* __restrict__ off, int64_t nnz,
-                                 const float* __restrict__ ts, A* __restrict__ kept, int8_t* __restrict__ status) {
+__global__ void kept_mass_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in,
+                                 A* __restrict__ kept, int8_t* __restrict__ status) {
   const int64_t r = warp_item();
-  if (r >= n) return;
-  const int64_t lo = off[r], hi = off[r + 1];
-  int st = precheck_row(lo, hi, nnz, ts[r], 0, vocab, false);
+  if (r >= in.n) return;
+  int st = precheck_row(in, r);
   double k = 0.0;
   if (st == kReplayed) {
     const T* row = z + r * s0;
-    const A t = static_cast<A>(ts[r]);
+    const A t = static_cast<A>(in.ts[r]);
     A m, xy;
     double s;
     bool found;
-    st = warp_support_lse(row, s1, vocab, ids, lo, hi, int64_t(-1), t, m, s, xy, found);
-    if (st == kReplayed) k = ::exp(lse_value(m, s) - warp_full_lse(row, s1, vocab, t));
+    st = warp_support_lse(row, s1, in.vocab, in.ids, in.off[r], in.off[r + 1], int64_t(-1), t, m, s, xy, found);
+    if (st == kReplayed) k = kept_fraction(lse_value(m, s), warp_full_lse(row, s1, in.vocab, t));
   }
   if (lane_id() == 0) {
     status[r] = static_cast<int8_t>(st);
@@ -229,36 +240,43 @@ __device__ __forceinline__ A warp_head_logit(const T* hr, const T* w, int64_t ws
   return zz;
 }
 
+// x = (h . w_id + b_id) / T for support_scan. A warp computes each logit together, so this only
+// exists on the device; nvcc's host pass of the shared template sees a stub that is never called.
+template <class T, class A>
+struct WarpHeadLogit {
+  const T* hr;
+  const T* w;
+  int64_t ws;
+  const T* b;
+  int64_t d;
+  A t;
+  __host__ __device__ A operator()(int64_t id) const {
+#if defined(__CUDA_ARCH__)
+    return warp_head_logit<T, A>(hr, w, ws, b, id, d) / t;
+#else
+    return A(0);
+#endif
+  }
+};
+
 template <class T, class A>
 __global__ void hidden_fwd_kernel(const T* __restrict__ h, const T* __restrict__ w, int64_t ws, const T* __restrict__ b,
-                                  int64_t n, int64_t d, int64_t vocab, const int32_t* __restrict__ ids,
-                                  const int64_t* __restrict__ off, int64_t nnz, const int64_t* __restrict__ ys,
-                                  const float* __restrict__ ts, bool fallback, A* __restrict__ logp,
+                                  int64_t d, const RowInputs in, bool fallback, A* __restrict__ logp,
                                   A* __restrict__ lse, int8_t* __restrict__ status) {
   const int64_t r = warp_item();
-  if (r >= n) return;
-  const int64_t lo = off[r], hi = off[r + 1], y = ys[r];
-  int st = precheck_row(lo, hi, nnz, ts[r], y, vocab, true);
-  const A t = static_cast<A>(ts[r]);
-  const T* hr = h + r * d;
+  if (r >= in.n) return;
+  int st = precheck_row(in, r);
+  const A t = static_cast<A>(in.ts[r]);
   A m = neg_inf<A>(), xy = 0;
   double s = 0.0;
-  bool found = false;
-  int64_t prev = -1;
-  // Entries one after another, each dot product across the warp: st, m, s stay warp-uniform.
-  for (int64_t e = lo; st == kReplayed && e < hi; ++e) {
-    const int64_t id = ids[e];
-    st = check_entry(id, prev, vocab);
-    if (st != kReplayed) break;
-    prev = id;
-    const A x = warp_head_logit<T, A>(hr, w, ws, b, id, d) / t;
-    lse_push(m, s, x);
-    if (id == y) {
-      found = true;
-      xy = x;
-    }
+  if (st == kReplayed) {
+    const int64_t lo = in.off[r], hi = in.off[r + 1];
+    bool found;
+    // Entries one after another, each logit across the warp: st, m, s stay warp-uniform.
+    st = support_scan(in.ids, lo, hi, in.vocab, in.ys[r], WarpHeadLogit<T, A>{h + r * d, w, ws, b, d, t}, m, s, xy,
+                      found);
+    if (st == kReplayed) st = row_decision(hi - lo, found, fallback);
   }
-  if (st == kReplayed) st = row_decision(hi - lo, found, fallback);
   if (lane_id() == 0) {
     status[r] = static_cast<int8_t>(st);
     const double l = st == kReplayed ? lse_value(m, s) : 0.0;  // fallback rows are filled by the host
@@ -269,28 +287,29 @@ __global__ void hidden_fwd_kernel(const T* __restrict__ h, const T* __restrict__
 
 // Per row: the coefficient of every entry (to coef), its row (to row_of), and
 // grad_hidden[r] = sum_K c_j w_j. Fallback rows get zeros here and are finished on the host.
+// Every row is checked (errors to err): the weight kernel reads the ids of all rows.
 template <class T, class A>
 __global__ void hidden_bwd_rows_kernel(const A* __restrict__ g, const T* __restrict__ h, const T* __restrict__ w,
-                                       int64_t ws, const T* __restrict__ b, int64_t n, int64_t d, int64_t vocab,
-                                       const int32_t* __restrict__ ids, const int64_t* __restrict__ off, int64_t nnz,
-                                       const int64_t* __restrict__ ys, const float* __restrict__ ts,
+                                       int64_t ws, const T* __restrict__ b, int64_t d, const RowInputs in,
                                        const A* __restrict__ lse, const int8_t* __restrict__ status, A* coef,
-                                       int64_t* __restrict__ row_of, T* __restrict__ gh) {
+                                       int64_t* __restrict__ row_of, T* __restrict__ gh, int8_t* __restrict__ err) {
   const int64_t r = warp_item();
-  if (r >= n) return;
-  const int64_t lo = max(off[r], int64_t(0)), hi = min(off[r + 1], nnz);
+  if (r >= in.n) return;
+  int bad = precheck_row(in, r);
+  if (bad == kReplayed) bad = warp_check_entries(in, r);
+  if (lane_id() == 0) err[r] = static_cast<int8_t>(bad);
+  if (bad != kReplayed) return;  // coef and row_of stay zero there: in bounds for the weight kernel
+  const int64_t lo = in.off[r], hi = in.off[r + 1];
   for (int64_t e = lo + lane_id(); e < hi; e += kWarp) row_of[e] = r;
   const bool live = status[r] == kReplayed;
   const T* hr = h + r * d;
   if (live) {
-    const A t = static_cast<A>(ts[r]);
+    const A t = static_cast<A>(in.ts[r]);
     const A gt = g[r] / t;
     const double l = static_cast<double>(lse[r]);
     for (int64_t e = lo; e < hi; ++e) {
-      const int64_t id = ids[e];
-      A c = 0;
-      if (id >= 0 && id < vocab)
-        c = grad_coef(gt, prob_of(warp_head_logit<T, A>(hr, w, ws, b, id, d) / t, l), id == ys[r]);
+      const int64_t id = in.ids[e];
+      const A c = grad_coef(gt, prob_of(warp_head_logit<T, A>(hr, w, ws, b, id, d) / t, l), id == in.ys[r]);
       if (lane_id() == 0) coef[e] = c;
     }
   } else {
@@ -299,10 +318,7 @@ __global__ void hidden_bwd_rows_kernel(const A* __restrict__ g, const T* __restr
   __syncwarp();  // coef written by lane 0 is read by every lane below
   for (int64_t k = lane_id(); k < d; k += kWarp) {
     A acc = 0;
-    for (int64_t e = lo; live && e < hi; ++e) {
-      const int64_t id = ids[e];
-      if (id >= 0 && id < vocab) acc += coef[e] * static_cast<A>(w[id * ws + k]);
-    }
+    for (int64_t e = lo; live && e < hi; ++e) acc += coef[e] * static_cast<A>(w[in.ids[e] * ws + k]);
     gh[r * d + k] = static_cast<T>(acc);
   }
 }
@@ -339,122 +355,105 @@ __global__ void hidden_bwd_weight_kernel(const int32_t* __restrict__ sids, const
 
 // ---- host wrappers -----------------------------------------------------------------------------
 
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_fwd_cuda(const at::Tensor& logits, const at::Tensor& token_ids,
                                                                const at::Tensor& offsets, const at::Tensor& sampled,
                                                                const at::Tensor& temperature, bool fallback) {
-  check_replay_args("replay", logits, token_ids, offsets, sampled, temperature);
+  const RowOperands a = replay_operands("replay", logits, token_ids, offsets, sampled, temperature);
   const c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ys = sampled.contiguous(),
-                   ts = temperature.contiguous();
-  const int64_t n = logits.size(0), vocab = logits.size(1), nnz = ids.numel();
-  const auto out = logits.options().dtype(replay_out_dtype(logits.scalar_type()));
-  at::Tensor logp = at::empty({n}, out), lse = at::empty({n}, out);
-  at::Tensor status = at::empty({n}, logits.options().dtype(at::kChar));
-  if (n > 0) {
+  ForwardOutputs f = forward_outputs(logits, a.n);
+  if (a.n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "replay_fwd_cuda", [&] {
       using A = at::opmath_type<scalar_t>;
-      replay_fwd_kernel<scalar_t, A><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), n, vocab,
-          ids.const_data_ptr<int32_t>(), off.const_data_ptr<int64_t>(), nnz, ys.const_data_ptr<int64_t>(),
-          ts.const_data_ptr<float>(), fallback, logp.data_ptr<A>(), lse.data_ptr<A>(), status.data_ptr<int8_t>());
+      replay_fwd_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
+          logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(), fallback,
+          f.logp.data_ptr<A>(), f.lse.data_ptr<A>(), f.status.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  raise_row_error("replay", status, off, nnz, ys, ts, vocab);
-  return {logp, lse, status};
+  raise_row_error("replay", f.status, a);
+  return {f.logp, f.lse, f.status};
 }
 
 at::Tensor replay_bwd_cuda(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& token_ids,
                            const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
                            const at::Tensor& lse, const at::Tensor& status) {
-  check_replay_args("replay_bwd", logits, token_ids, offsets, sampled, temperature);
-  const int64_t n = logits.size(0), vocab = logits.size(1);
-  check_saved("replay_bwd", grad, lse, &status, n, replay_out_dtype(logits.scalar_type()), logits.device());
+  const RowOperands a = replay_operands("replay_bwd", logits, token_ids, offsets, sampled, temperature);
+  const SavedOperands sv =
+      saved_operands("replay_bwd", grad, lse, status, a.n, replay_out_dtype(logits.scalar_type()), logits.device());
   const c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ys = sampled.contiguous(),
-                   ts = temperature.contiguous(), g = grad.contiguous(), ls = lse.contiguous(),
-                   st = status.contiguous();
-  at::Tensor out = at::zeros({n, vocab}, logits.options());  // a memset, then the scatter of K
-  if (n > 0 && vocab > 0) {
+  at::Tensor out = at::zeros({a.n, a.vocab}, logits.options());  // a memset, then the scatter of K
+  at::Tensor err = row_status(logits, a.n);
+  if (a.n > 0 && a.vocab > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "replay_bwd_cuda", [&] {
       using A = at::opmath_type<scalar_t>;
-      replay_bwd_kernel<scalar_t, A><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          g.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), n, vocab,
-          ids.const_data_ptr<int32_t>(), off.const_data_ptr<int64_t>(), ids.numel(), ys.const_data_ptr<int64_t>(),
-          ts.const_data_ptr<float>(), ls.const_data_ptr<A>(), st.const_data_ptr<int8_t>(), out.data_ptr<scalar_t>());
+      replay_bwd_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
+          sv.g.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(),
+          sv.ls.const_data_ptr<A>(), sv.st.const_data_ptr<int8_t>(), out.data_ptr<scalar_t>(),
+          err.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
+  raise_row_error("replay_bwd", err, a);  // the error flags: one copy after the kernel
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> full_fwd_cuda(const at::Tensor& logits, const at::Tensor& sampled,
                                                  const at::Tensor& temperature) {
-  check_logits("full_logprobs", logits);
-  const int64_t n = logits.size(0), vocab = logits.size(1);
-  check_vec("full_logprobs", sampled, "sampled", n, at::kLong, logits.device());
-  check_vec("full_logprobs", temperature, "temperature", n, at::kFloat, logits.device());
+  const RowOperands a = full_operands("full_logprobs", logits, sampled, temperature);
   const c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor ys = sampled.contiguous(), ts = temperature.contiguous();
-  const auto out = logits.options().dtype(replay_out_dtype(logits.scalar_type()));
-  at::Tensor logp = at::empty({n}, out), lse = at::empty({n}, out);
-  at::Tensor status = at::empty({n}, logits.options().dtype(at::kChar));
-  if (n > 0) {
+  ForwardOutputs f = forward_outputs(logits, a.n);
+  if (a.n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "full_fwd_cuda", [&] {
       using A = at::opmath_type<scalar_t>;
-      full_fwd_kernel<scalar_t, A><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), n, vocab,
-          ys.const_data_ptr<int64_t>(), ts.const_data_ptr<float>(), logp.data_ptr<A>(), lse.data_ptr<A>(),
-          status.data_ptr<int8_t>());
+      full_fwd_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
+          logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(), f.logp.data_ptr<A>(),
+          f.lse.data_ptr<A>(), f.status.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  raise_row_error("full_logprobs", status, at::zeros({n + 1}, at::kLong), 0, ys, ts, vocab);
-  return {logp, lse};
+  raise_row_error("full_logprobs", f.status, a);
+  return {f.logp, f.lse};
 }
 
 at::Tensor full_bwd_cuda(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& sampled,
                          const at::Tensor& temperature, const at::Tensor& lse) {
-  check_logits("full_logprobs_bwd", logits);
-  const int64_t n = logits.size(0), vocab = logits.size(1);
-  check_vec("full_logprobs_bwd", sampled, "sampled", n, at::kLong, logits.device());
-  check_vec("full_logprobs_bwd", temperature, "temperature", n, at::kFloat, logits.device());
-  check_saved("full_logprobs_bwd", grad, lse, nullptr, n, replay_out_dtype(logits.scalar_type()), logits.device());
+  const RowOperands a = full_operands("full_logprobs_bwd", logits, sampled, temperature);
+  const SavedOperands sv = saved_operands("full_logprobs_bwd", grad, lse, at::Tensor(), a.n,
+                                          replay_out_dtype(logits.scalar_type()), logits.device());
   const c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor ys = sampled.contiguous(), ts = temperature.contiguous(), g = grad.contiguous(),
-                   ls = lse.contiguous();
-  at::Tensor out = at::empty({n, vocab}, logits.options());  // every element is written
-  if (n > 0 && vocab > 0) {
+  at::Tensor out = at::empty({a.n, a.vocab}, logits.options());  // every element of a valid row is written
+  at::Tensor err = row_status(logits, a.n);
+  if (a.n > 0 && a.vocab > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "full_bwd_cuda", [&] {
       using A = at::opmath_type<scalar_t>;
-      full_bwd_kernel<scalar_t, A><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          g.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), n, vocab,
-          ys.const_data_ptr<int64_t>(), ts.const_data_ptr<float>(), ls.const_data_ptr<A>(), out.data_ptr<scalar_t>());
+      full_bwd_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
+          sv.g.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(),
+          sv.ls.const_data_ptr<A>(), out.data_ptr<scalar_t>(), err.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
+  raise_row_error("full_logprobs_bwd", err, a);
   return out;
 }
 
 at::Tensor kept_mass_cuda(const at::Tensor& logits, const at::Tensor& token_ids, const at::Tensor& offsets,
                           const at::Tensor& temperature) {
-  check_replay_args("kept_mass", logits, token_ids, offsets, at::Tensor(), temperature);
+  const RowOperands a = replay_operands("kept_mass", logits, token_ids, offsets, at::Tensor(), temperature);
   const c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ts = temperature.contiguous();
-  const int64_t n = logits.size(0), vocab = logits.size(1), nnz = ids.numel();
-  at::Tensor kept = at::empty({n}, logits.options().dtype(replay_out_dtype(logits.scalar_type())));
-  at::Tensor status = at::empty({n}, logits.options().dtype(at::kChar));
-  if (n > 0) {
+  at::Tensor kept = at::empty({a.n}, logits.options().dtype(replay_out_dtype(logits.scalar_type())));
+  at::Tensor status = row_status(logits, a.n);
+  if (a.n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "kept_mass_cuda", [&] {
       using A = at::opmath_type<scalar_t>;
-      kept_mass_kernel<scalar_t, A><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), n, vocab,
-          ids.const_data_ptr<int32_t>(), off.const_data_ptr<int64_t>(), nnz, ts.const_data_ptr<float>(),
-          kept.data_ptr<A>(), status.data_ptr<int8_t>());
+      kept_mass_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
+          logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(), kept.data_ptr<A>(),
+          status.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  raise_row_error("kept_mass", status, off, nnz, at::Tensor(), ts, vocab);
+  raise_row_error("kept_mass", status, a);
   return kept;
 }
 
@@ -462,78 +461,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cuda(const at::Tensor&
                                                                const at::Tensor& bias, const at::Tensor& token_ids,
                                                                const at::Tensor& offsets, const at::Tensor& sampled,
                                                                const at::Tensor& temperature, bool fallback) {
-  check_hidden_op("replay_from_hidden", hidden, weight, bias, token_ids, offsets, sampled, temperature);
+  const HeadOperands hd =
+      head_operands("replay_from_hidden", hidden, weight, bias, token_ids, offsets, sampled, temperature);
   const c10::cuda::CUDAGuard guard(hidden.device());
-  const at::Tensor h = hidden.contiguous(), w = weight.stride(1) == 1 ? weight : weight.contiguous();
-  const bool hb = has_bias(bias, weight.size(0));
-  const at::Tensor b = hb ? bias.contiguous() : bias;
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ys = sampled.contiguous(),
-                   ts = temperature.contiguous();
-  const int64_t n = h.size(0), d = h.size(1), vocab = w.size(0), nnz = ids.numel();
-  const auto out = h.options().dtype(replay_out_dtype(h.scalar_type()));
-  at::Tensor logp = at::empty({n}, out), lse = at::empty({n}, out);
-  at::Tensor status = at::empty({n}, h.options().dtype(at::kChar));
-  if (n > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "hidden_fwd_cuda", [&] {
+  ForwardOutputs f = forward_outputs(hidden, hd.rows.n);
+  if (hd.rows.n > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hidden.scalar_type(), "hidden_fwd_cuda", [&] {
       using A = at::opmath_type<scalar_t>;
-      hidden_fwd_kernel<scalar_t, A><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          h.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(), w.stride(0),
-          hb ? b.const_data_ptr<scalar_t>() : nullptr, n, d, vocab, ids.const_data_ptr<int32_t>(),
-          off.const_data_ptr<int64_t>(), nnz, ys.const_data_ptr<int64_t>(), ts.const_data_ptr<float>(), fallback,
-          logp.data_ptr<A>(), lse.data_ptr<A>(), status.data_ptr<int8_t>());
+      hidden_fwd_kernel<scalar_t, A><<<blocks_for(hd.rows.n), kThreads, 0, stream()>>>(
+          hd.h.const_data_ptr<scalar_t>(), hd.w.const_data_ptr<scalar_t>(), hd.ws,
+          hd.bias ? hd.b.const_data_ptr<scalar_t>() : nullptr, hd.d, hd.rows.view(), fallback, f.logp.data_ptr<A>(),
+          f.lse.data_ptr<A>(), f.status.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  raise_row_error("replay_from_hidden", status, off, nnz, ys, ts, vocab);
-  if (fallback) hidden_fallback_fwd(h, w, b, ys, ts, status, logp, lse);
-  return {logp, lse, status};
+  raise_row_error("replay_from_hidden", f.status, hd.rows);
+  if (fallback) hidden_fallback_fwd(hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, f.status, f.logp, f.lse);
+  return {f.logp, f.lse, f.status};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cuda(
     const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
     const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
     const at::Tensor& lse, const at::Tensor& status) {
-  check_hidden_op("replay_from_hidden_bwd", hidden, weight, bias, token_ids, offsets, sampled, temperature);
-  const int64_t n = hidden.size(0), d = hidden.size(1), vocab = weight.size(0);
-  check_saved("replay_from_hidden_bwd", grad, lse, &status, n, replay_out_dtype(hidden.scalar_type()),
-              hidden.device());
+  const char* op = "replay_from_hidden_bwd";
+  const HeadOperands hd = head_operands(op, hidden, weight, bias, token_ids, offsets, sampled, temperature);
+  const int64_t n = hd.rows.n, d = hd.d, vocab = hd.rows.vocab, nnz = hd.rows.nnz;
+  const SavedOperands sv = saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()),
+                                          hidden.device());
   const c10::cuda::CUDAGuard guard(hidden.device());
-  const at::Tensor h = hidden.contiguous(), w = weight.stride(1) == 1 ? weight : weight.contiguous();
-  const bool hb = has_bias(bias, vocab);
-  const at::Tensor b = hb ? bias.contiguous() : bias;
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ys = sampled.contiguous(),
-                   ts = temperature.contiguous(), g = grad.contiguous(), ls = lse.contiguous(),
-                   st = status.contiguous();
-  const int64_t nnz = ids.numel();
-  at::Tensor gh = at::empty({n, d}, h.options());
-  at::Tensor gw = at::zeros({vocab, d}, w.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor gb = hb ? at::zeros({vocab}, b.options()) : at::empty({0}, h.options());
-  // Zeroed so entries no row covers (offsets[N] < nnz) contribute c = 0 at row 0, in bounds.
-  at::Tensor coef = at::zeros({nnz}, h.options().dtype(replay_out_dtype(h.scalar_type())));
-  at::Tensor row_of = at::zeros({nnz}, h.options().dtype(at::kLong));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "hidden_bwd_cuda", [&] {
+  at::Tensor gh = at::empty({n, d}, hd.h.options());
+  at::Tensor gw = at::zeros({vocab, d}, hd.w.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor gb = hd.bias ? at::zeros({vocab}, hd.b.options()) : at::empty({0}, hd.h.options());
+  // Zeroed so entries of a row that failed its checks contribute c = 0 at row 0, in bounds.
+  at::Tensor coef = at::zeros({nnz}, hd.h.options().dtype(replay_out_dtype(hd.h.scalar_type())));
+  at::Tensor row_of = at::zeros({nnz}, hd.h.options().dtype(at::kLong));
+  at::Tensor err = row_status(hidden, n);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hd.h.scalar_type(), "hidden_bwd_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
-    const auto stream = c10::cuda::getCurrentCUDAStream();
     if (n > 0) {
-      hidden_bwd_rows_kernel<scalar_t, A><<<blocks_for(n), kThreads, 0, stream>>>(
-          g.const_data_ptr<A>(), h.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(), w.stride(0),
-          hb ? b.const_data_ptr<scalar_t>() : nullptr, n, d, vocab, ids.const_data_ptr<int32_t>(),
-          off.const_data_ptr<int64_t>(), nnz, ys.const_data_ptr<int64_t>(), ts.const_data_ptr<float>(),
-          ls.const_data_ptr<A>(), st.const_data_ptr<int8_t>(), coef.data_ptr<A>(), row_of.data_ptr<int64_t>(),
-          gh.data_ptr<scalar_t>());
+      hidden_bwd_rows_kernel<scalar_t, A><<<blocks_for(n), kThreads, 0, stream()>>>(
+          sv.g.const_data_ptr<A>(), hd.h.const_data_ptr<scalar_t>(), hd.w.const_data_ptr<scalar_t>(), hd.ws,
+          hd.bias ? hd.b.const_data_ptr<scalar_t>() : nullptr, d, hd.rows.view(), sv.ls.const_data_ptr<A>(),
+          sv.st.const_data_ptr<int8_t>(), coef.data_ptr<A>(), row_of.data_ptr<int64_t>(), gh.data_ptr<scalar_t>(),
+          err.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (n > 0 && nnz > 0 && d > 0) {
-      auto sorted = at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+      auto sorted = at::sort(hd.rows.ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
       const at::Tensor sids = std::get<0>(sorted).contiguous(), order = std::get<1>(sorted).contiguous();
-      hidden_bwd_weight_kernel<scalar_t, A><<<blocks_for(nnz), kThreads, 0, stream>>>(
+      hidden_bwd_weight_kernel<scalar_t, A><<<blocks_for(nnz), kThreads, 0, stream()>>>(
           sids.const_data_ptr<int32_t>(), order.const_data_ptr<int64_t>(), coef.const_data_ptr<A>(),
-          row_of.const_data_ptr<int64_t>(), h.const_data_ptr<scalar_t>(), nnz, d, vocab, gw.data_ptr<scalar_t>(),
-          hb ? gb.data_ptr<scalar_t>() : nullptr);
+          row_of.const_data_ptr<int64_t>(), hd.h.const_data_ptr<scalar_t>(), nnz, d, vocab, gw.data_ptr<scalar_t>(),
+          hd.bias ? gb.data_ptr<scalar_t>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  hidden_fallback_bwd(g, h, w, b, ys, ts, ls, st, gh, gw, gb);
+  raise_row_error(op, err, hd.rows);  // before the fallback rows gather their sampled tokens
+  hidden_fallback_bwd(sv.g, hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, sv.ls, sv.st, gh, gw, gb);
   return {gh, gw, gb};
 }
 
