@@ -1,7 +1,13 @@
 // Device-agnostic parts of the sparse LM head (see replay_hidden.h).
 #include "replay_hidden.h"
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/nonzero.h>
+#include <ATen/ops/ones_like.h>
 
 namespace mask_replay {
 namespace {

@@ -2,6 +2,7 @@
 
 It only loads: fake kernels and autograd live in _register.py, imported by the package __init__."""
 import importlib.util
+import json
 import os
 import sys
 
@@ -36,7 +37,7 @@ ops = torch.ops.mask_replay
 
 def build_info() -> dict:
     """Which kernels were compiled: {'cpu': True, 'cuda': bool, 'cuda_arch_list': str, ...}."""
-    info = dict(_C.build_info())
+    info = json.loads(ops.build_info())
     info["torch"] = torch.__version__
     info["torch_cuda"] = torch.version.cuda
     info["cuda_available"] = torch.cuda.is_available()
