@@ -41,12 +41,13 @@ test: build
 demo: build
 	$(VENV)/bin/mask-replay demo --out demo_out
 
-# Python is not built with ASAN, so the runtime is preloaded; Python's own allocations are never
+# Python is not built with ASAN, so the runtime is preloaded, with libstdc++ (else ASAN cannot find
+# the real __cxa_throw and aborts on the first C++ exception); Python's own allocations are never
 # freed at exit by design, so leak detection is off. Any ASAN report exits non-zero.
 ASAN_SECONDS ?= 60
 asan: $(VENV)/.installed
 	MASK_REPLAY_ASAN=1 MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --build-lib build-asan --build-temp build-asan/obj
-	LD_PRELOAD=$$(c++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+	LD_PRELOAD="$$(c++ -print-file-name=libasan.so) $$(c++ -print-file-name=libstdc++.so)" ASAN_OPTIONS=detect_leaks=0 \
 	  MASK_REPLAY_EXTENSION=$$(ls build-asan/mask_replay/_C*.so) $(PY) tests/fuzz_ops.py --seconds $(ASAN_SECONDS)
 
 bench: build
