@@ -150,6 +150,12 @@ ForwardOutputs forward_outputs(const at::Tensor& like, int64_t n) {
   return {at::empty({n}, out), at::empty({n}, out), row_status(like, n)};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_forward(const char* op, const ForwardOutputs& f,
+                                                              const RowOperands& a) {
+  raise_row_error(op, f.status, a);
+  return {f.logp, f.lse, f.status};
+}
+
 at::Tensor row_status(const at::Tensor& like, int64_t n) { return at::empty({n}, like.options().dtype(at::kChar)); }
 
 void raise_row_error(const char* op, const at::Tensor& status, const RowOperands& a) {

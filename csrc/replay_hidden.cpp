@@ -54,4 +54,19 @@ void hidden_fallback_bwd(const at::Tensor& grad, const at::Tensor& hidden, const
   if (grad_bias.numel() > 0) grad_bias.add_(coef.sum(0).to(grad_bias.scalar_type()));
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_hidden_fwd(const HeadOperands& hd, ForwardOutputs& f,
+                                                                 bool fallback) {
+  raise_row_error("replay_from_hidden", f.status, hd.rows);
+  if (fallback) hidden_fallback_fwd(hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, f.status, f.logp, f.lse);
+  return {f.logp, f.lse, f.status};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_hidden_bwd(const HeadOperands& hd, const SavedOperands& sv,
+                                                                 const at::Tensor& err, at::Tensor& gh, at::Tensor& gw,
+                                                                 at::Tensor& gb) {
+  raise_row_error("replay_from_hidden_bwd", err, hd.rows);
+  hidden_fallback_bwd(sv.g, hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, sv.ls, sv.st, gh, gw, gb);
+  return {gh, gw, gb};
+}
+
 }  // namespace mask_replay

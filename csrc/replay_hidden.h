@@ -3,6 +3,10 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <tuple>
+
+#include "replay_checks.h"
+
 namespace mask_replay {
 
 // Rows that fell back to the full vocabulary (status > 0) need the whole projection h @ W^T.
@@ -17,5 +21,15 @@ void hidden_fallback_bwd(const at::Tensor& grad, const at::Tensor& hidden, const
                          const at::Tensor& bias, const at::Tensor& sampled, const at::Tensor& temperature,
                          const at::Tensor& lse, const at::Tensor& status, at::Tensor& grad_hidden,
                          at::Tensor& grad_weight, at::Tensor& grad_bias);
+
+// The common end of hidden_fwd on both devices: raise the first row error, fill the fallback rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_hidden_fwd(const HeadOperands& hd, ForwardOutputs& f,
+                                                                 bool fallback);
+
+// The common end of hidden_bwd: raise the first row error (before the fallback rows gather their
+// sampled tokens), add the fallback rows' dense gradients.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_hidden_bwd(const HeadOperands& hd, const SavedOperands& sv,
+                                                                 const at::Tensor& err, at::Tensor& gh, at::Tensor& gw,
+                                                                 at::Tensor& gb);
 
 }  // namespace mask_replay

@@ -28,6 +28,18 @@ A logit(const T* row, int64_t s1, int64_t j, A t) {
   return static_cast<A>(row[j * s1]) / t;
 }
 
+// buf[i] = x = z / t for the n columns from c0 (the chunked full-row loops; the unit-stride loop
+// is kept apart so it vectorises).
+template <class T, class A>
+void stage_chunk(const T* row, int64_t s1, int64_t c0, int64_t n, A t, A* buf) {
+  const T* src = row + c0 * s1;
+  if (s1 == 1) {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<A>(src[i]) / t;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<A>(src[i * s1]) / t;
+  }
+}
+
 // Logsumexp of a whole row of x = z / t: the one definition of logZ that full_logprobs,
 // kept_mass and capture's kept mass share. float rows (any layout) take the vectorised pass: x
 // staged once with its max, then the sum of det_exp(x - max) in double; rows with NaN/+inf, and
@@ -57,12 +69,7 @@ double full_row_lse(const T* row, int64_t s1, int64_t vocab, A t) {
   A buf[kChunk];
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
-    const T* src = row + c0 * s1;
-    if (s1 == 1) {
-      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<A>(src[i]) / t;
-    } else {
-      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<A>(src[i * s1]) / t;
-    }
+    stage_chunk(row, s1, c0, n, t, buf);
     A cm = neg_inf<A>();
     for (int64_t i = 0; i < n; ++i) cm = buf[i] > cm ? buf[i] : cm;
     for (int64_t i = 0; i < n; ++i) nan |= buf[i] != buf[i];
@@ -91,12 +98,7 @@ void full_row_grad(const T* row, int64_t s1, int64_t vocab, A t, double lse, A g
   A buf[kChunk];
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
-    const T* src = row + c0 * s1;
-    if (s1 == 1) {
-      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<A>(src[i]) / t;
-    } else {
-      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<A>(src[i * s1]) / t;
-    }
+    stage_chunk(row, s1, c0, n, t, buf);
     for (int64_t i = 0; i < n; ++i) out[c0 + i] = static_cast<T>(grad_coef(g_over_t, prob_of(buf[i], lse), false));
   }
   out[y] = static_cast<T>(grad_coef(g_over_t, prob_of(logit(row, s1, y, t), lse), true));
@@ -148,22 +150,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_fwd_cpu(const at::Tensor& 
   ForwardOutputs f = forward_outputs(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "replay_fwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
-    const scalar_t* z = logits.const_data_ptr<scalar_t>();
-    const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-    A* lp = f.logp.data_ptr<A>();
-    A* lsp = f.lse.data_ptr<A>();
-    int8_t* sp = f.status.data_ptr<int8_t>();
+    const auto x = logits_view<scalar_t>(logits);
+    const auto out = forward_ptrs<A>(f);
     at::parallel_for(0, a.n, kSparseGrain, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const RowOut o = replay_row<scalar_t, A>(z + r * s0, s1, in, r, fallback);
-        lp[r] = static_cast<A>(o.logp);
-        lsp[r] = static_cast<A>(o.lse);
-        sp[r] = o.status;
+        const RowOut o = replay_row<scalar_t, A>(x.row(r), x.s1, in, r, fallback);
+        out.logp[r] = static_cast<A>(o.logp);
+        out.lse[r] = static_cast<A>(o.lse);
+        out.status[r] = o.status;
       }
     });
   });
-  raise_row_error("replay", f.status, a);
-  return {f.logp, f.lse, f.status};
+  return finish_forward("replay", f, a);
 }
 
 at::Tensor replay_bwd_cpu(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& token_ids,
@@ -180,11 +178,8 @@ at::Tensor replay_bwd_cpu(const at::Tensor& grad, const at::Tensor& logits, cons
   at::Tensor err = row_status(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "replay_bwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
-    const scalar_t* z = logits.const_data_ptr<scalar_t>();
-    const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-    const A* gp = sv.g.const_data_ptr<A>();
-    const A* lsp = sv.ls.const_data_ptr<A>();
-    const int8_t* sp = sv.st.const_data_ptr<int8_t>();
+    const auto x = logits_view<scalar_t>(logits);
+    const auto saved = saved_ptrs<A>(sv);
     int8_t* ep = err.data_ptr<int8_t>();
     scalar_t* outp = out.data_ptr<scalar_t>();
     at::parallel_for(0, a.n, kSparseGrain, [&](int64_t r0, int64_t r1) {
@@ -196,19 +191,18 @@ at::Tensor replay_bwd_cpu(const at::Tensor& grad, const at::Tensor& logits, cons
         if (e == kReplayed) e = check_entries(in.ids, in.off[r], in.off[r + 1], vocab);
         ep[r] = e;
         if (e != kReplayed) continue;  // raised below
-        const scalar_t* row = z + r * s0;
         const A t = static_cast<A>(in.ts[r]);
-        const A gt = gp[r] / t;
-        const double l = static_cast<double>(lsp[r]);
-        if (sp[r] > 0) {
-          full_row_grad<scalar_t, A>(row, s1, vocab, t, l, gt, in.ys[r], o);
+        const A gt = saved.g[r] / t;
+        const double l = static_cast<double>(saved.lse[r]);
+        if (saved.status[r] > 0) {
+          full_row_grad<scalar_t, A>(x.row(r), x.s1, vocab, t, l, gt, in.ys[r], o);
           continue;
         }
         std::memset(static_cast<void*>(o), 0, sizeof(scalar_t) * vocab);  // zero is all-bits-zero in every dtype
-        if (sp[r] < 0) continue;
+        if (saved.status[r] < 0) continue;
         for (int64_t q = in.off[r]; q < in.off[r + 1]; ++q) {
           const int64_t id = in.ids[q];
-          const A p = prob_of(logit(row, s1, id, t), l);
+          const A p = prob_of(logit(x.row(r), x.s1, id, t), l);
           o[id] = static_cast<scalar_t>(grad_coef(gt, p, id == in.ys[r]));
         }
       }
@@ -225,24 +219,20 @@ std::tuple<at::Tensor, at::Tensor> full_fwd_cpu(const at::Tensor& logits, const 
   ForwardOutputs f = forward_outputs(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "full_fwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
-    const scalar_t* z = logits.const_data_ptr<scalar_t>();
-    const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-    A* lp = f.logp.data_ptr<A>();
-    A* lsp = f.lse.data_ptr<A>();
-    int8_t* sp = f.status.data_ptr<int8_t>();
+    const auto x = logits_view<scalar_t>(logits);
+    const auto out = forward_ptrs<A>(f);
     at::parallel_for(0, a.n, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        sp[r] = precheck_row(in, r);
-        if (sp[r] != kReplayed) continue;
+        out.status[r] = precheck_row(in, r);
+        if (out.status[r] != kReplayed) continue;
         const A t = static_cast<A>(in.ts[r]);
-        const scalar_t* row = z + r * s0;
-        const double l = full_row_lse(row, s1, a.vocab, t);
-        lsp[r] = static_cast<A>(l);
-        lp[r] = static_cast<A>(static_cast<double>(logit(row, s1, in.ys[r], t)) - l);
+        const double l = full_row_lse(x.row(r), x.s1, a.vocab, t);
+        out.lse[r] = static_cast<A>(l);
+        out.logp[r] = static_cast<A>(static_cast<double>(logit(x.row(r), x.s1, in.ys[r], t)) - l);
       }
     });
   });
-  raise_row_error("full_logprobs", f.status, a);
+  raise_row_error("full_logprobs", f.status, a);  // full_fwd returns no status
   return {f.logp, f.lse};
 }
 
@@ -256,10 +246,8 @@ at::Tensor full_bwd_cpu(const at::Tensor& grad, const at::Tensor& logits, const 
   at::Tensor err = row_status(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "full_bwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
-    const scalar_t* z = logits.const_data_ptr<scalar_t>();
-    const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-    const A* gp = sv.g.const_data_ptr<A>();
-    const A* lsp = sv.ls.const_data_ptr<A>();
+    const auto x = logits_view<scalar_t>(logits);
+    const auto saved = saved_ptrs<A>(sv);
     int8_t* ep = err.data_ptr<int8_t>();
     scalar_t* outp = out.data_ptr<scalar_t>();
     at::parallel_for(0, a.n, 1, [&](int64_t r0, int64_t r1) {
@@ -267,8 +255,8 @@ at::Tensor full_bwd_cpu(const at::Tensor& grad, const at::Tensor& logits, const 
         ep[r] = precheck_row(in, r);
         if (ep[r] != kReplayed) continue;  // raised below
         const A t = static_cast<A>(in.ts[r]);
-        full_row_grad<scalar_t, A>(z + r * s0, s1, a.vocab, t, static_cast<double>(lsp[r]), gp[r] / t, in.ys[r],
-                                   outp + r * a.vocab);
+        full_row_grad<scalar_t, A>(x.row(r), x.s1, a.vocab, t, static_cast<double>(saved.lse[r]), saved.g[r] / t,
+                                   in.ys[r], outp + r * a.vocab);
       }
     });
   });
@@ -284,8 +272,7 @@ at::Tensor kept_mass_cpu(const at::Tensor& logits, const at::Tensor& token_ids, 
   at::Tensor status = row_status(logits, a.n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "kept_mass_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
-    const scalar_t* z = logits.const_data_ptr<scalar_t>();
-    const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
+    const auto x = logits_view<scalar_t>(logits);
     A* kp = kept.data_ptr<A>();
     int8_t* sp = status.data_ptr<int8_t>();
     at::parallel_for(0, a.n, 1, [&](int64_t r0, int64_t r1) {
@@ -293,14 +280,14 @@ at::Tensor kept_mass_cpu(const at::Tensor& logits, const at::Tensor& token_ids, 
         sp[r] = precheck_row(in, r);
         if (sp[r] != kReplayed) continue;
         const A t = static_cast<A>(in.ts[r]);
-        const scalar_t* row = z + r * s0;
+        const scalar_t* row = x.row(r);
         A m, xy = 0;
         double s;
         bool found;
-        sp[r] = support_lse(row, s1, in, r, t, int64_t(-1), m, s, xy, found);
+        sp[r] = support_lse(row, x.s1, in, r, t, int64_t(-1), m, s, xy, found);
         if (sp[r] != kReplayed) continue;
         // An empty support keeps no mass: lse_K = -inf gives exp(-inf) = 0.
-        kp[r] = static_cast<A>(kept_fraction(lse_value(m, s), full_row_lse(row, s1, a.vocab, t)));
+        kp[r] = static_cast<A>(kept_fraction(lse_value(m, s), full_row_lse(row, x.s1, a.vocab, t)));
       }
     });
   });
@@ -311,11 +298,7 @@ at::Tensor kept_mass_cpu(const at::Tensor& logits, const at::Tensor& token_ids, 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mask_replay, CPU, m) {
-  m.impl("replay_fwd", &replay_fwd_cpu);
-  m.impl("replay_bwd", &replay_bwd_cpu);
-  m.impl("full_fwd", &full_fwd_cpu);
-  m.impl("full_bwd", &full_bwd_cpu);
-  m.impl("kept_mass", &kept_mass_cpu);
+  impl_ops(m, kLogitsOps, &replay_fwd_cpu, &replay_bwd_cpu, &full_fwd_cpu, &full_bwd_cpu, &kept_mass_cpu);
 }
 
 }  // namespace mask_replay

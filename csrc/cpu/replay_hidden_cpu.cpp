@@ -87,9 +87,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cpu(const at::Tensor& 
       }
     });
   });
-  raise_row_error("replay_from_hidden", f.status, hd.rows);
-  if (fallback) hidden_fallback_fwd(hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, f.status, f.logp, f.lse);
-  return {f.logp, f.lse, f.status};
+  return finish_hidden_fwd(hd, f, fallback);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
@@ -150,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
       }
     });
     // From here on every id is in [0, V) and every entry has its row.
-    raise_row_error(op, err, hd.rows);
+    raise_row_error("replay_from_hidden_bwd", err, hd.rows);
     // Pass 2: grad_weight[j] = sum over entries of token j of c * h[row], rows of the vocabulary
     // in parallel. Entries are grouped by token (stable sort) so each weight row is summed by one
     // thread in a fixed order: deterministic, no atomics, accumulated in A even for bf16 weights.
@@ -187,15 +185,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
       }
     });
   });
-  hidden_fallback_bwd(sv.g, hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, sv.ls, sv.st, gh, gw, gb);
-  return {gh, gw, gb};
+  return finish_hidden_bwd(hd, sv, err, gh, gw, gb);  // the error check again is a no-op
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mask_replay, CPU, m) {
-  m.impl("hidden_fwd", &hidden_fwd_cpu);
-  m.impl("hidden_bwd", &hidden_bwd_cpu);
-}
+TORCH_LIBRARY_IMPL(mask_replay, CPU, m) { impl_ops(m, kHeadOps, &hidden_fwd_cpu, &hidden_bwd_cpu); }
 
 }  // namespace mask_replay

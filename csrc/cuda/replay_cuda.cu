@@ -96,6 +96,25 @@ __device__ int warp_support_lse(const T* row, int64_t s1, int64_t vocab, const i
   return warp_min(bad);
 }
 
+// Row r of a backward op: d logp / d z_j = (g / T)(1[j = y] - p_j), written into the gradient row.
+template <class T, class A>
+struct GradRow {
+  const T* row;
+  T* o;
+  A t, gt;
+  double l;
+  int64_t y;
+  __device__ GradRow(const A* g, const T* z, int64_t s0, const RowInputs& in, const A* lse, T* out, int64_t r)
+      : row(z + r * s0), o(out + r * in.vocab), t(static_cast<A>(in.ts[r])), gt(g[r] / t),
+        l(static_cast<double>(lse[r])), y(in.ys[r]) {}
+  __device__ void write(int64_t s1, int64_t j) const {
+    o[j] = static_cast<T>(grad_coef(gt, prob_of(logit_at(row, s1, j, t), l), j == y));
+  }
+  __device__ void write_all(int64_t s1, int64_t vocab) const {  // the whole row, strided across the warp
+    for (int64_t j = lane_id(); j < vocab; j += kWarp) write(s1, j);
+  }
+};
+
 // Checks row r's entries across the warp (each lane an entry and its predecessor); uniform result.
 __device__ int warp_check_entries(const RowInputs& in, int64_t r) {
   const int64_t lo = in.off[r], hi = in.off[r + 1];
@@ -149,21 +168,12 @@ __global__ void replay_bwd_kernel(const A* __restrict__ g, const T* __restrict__
   if (lane_id() == 0) err[r] = static_cast<int8_t>(e);
   const int8_t st = status[r];
   if (e != kReplayed || st < 0) return;
-  const T* row = z + r * s0;
-  T* o = out + r * in.vocab;
-  const A t = static_cast<A>(in.ts[r]);
-  const A gt = g[r] / t;
-  const double l = static_cast<double>(lse[r]);
-  const int64_t y = in.ys[r];
+  const GradRow<T, A> gr(g, z, s0, in, lse, out, r);
   if (st > 0) {
-    for (int64_t j = lane_id(); j < in.vocab; j += kWarp)
-      o[j] = static_cast<T>(grad_coef(gt, prob_of(logit_at(row, s1, j, t), l), j == y));
+    gr.write_all(s1, in.vocab);
     return;
   }
-  for (int64_t q = in.off[r] + lane_id(); q < in.off[r + 1]; q += kWarp) {
-    const int64_t id = in.ids[q];
-    o[id] = static_cast<T>(grad_coef(gt, prob_of(logit_at(row, s1, id, t), l), id == y));
-  }
+  for (int64_t q = in.off[r] + lane_id(); q < in.off[r + 1]; q += kWarp) gr.write(s1, in.ids[q]);
 }
 
 template <class T, class A>
@@ -195,14 +205,7 @@ __global__ void full_bwd_kernel(const A* __restrict__ g, const T* __restrict__ z
   const int e = precheck_row(in, r);
   if (lane_id() == 0) err[r] = static_cast<int8_t>(e);
   if (e != kReplayed) return;
-  const T* row = z + r * s0;
-  T* o = out + r * in.vocab;
-  const A t = static_cast<A>(in.ts[r]);
-  const A gt = g[r] / t;
-  const double l = static_cast<double>(lse[r]);
-  const int64_t y = in.ys[r];
-  for (int64_t j = lane_id(); j < in.vocab; j += kWarp)
-    o[j] = static_cast<T>(grad_coef(gt, prob_of(logit_at(row, s1, j, t), l), j == y));
+  GradRow<T, A>(g, z, s0, in, lse, out, r).write_all(s1, in.vocab);
 }
 
 template <class T, class A>
@@ -360,8 +363,8 @@ cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_fwd_cuda(const at::Tensor& logits, const at::Tensor& token_ids,
                                                                const at::Tensor& offsets, const at::Tensor& sampled,
                                                                const at::Tensor& temperature, bool fallback) {
-  const RowOperands a = replay_operands("replay", logits, token_ids, offsets, sampled, temperature);
   const c10::cuda::CUDAGuard guard(logits.device());
+  const RowOperands a = replay_operands("replay", logits, token_ids, offsets, sampled, temperature);
   ForwardOutputs f = forward_outputs(logits, a.n);
   if (a.n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "replay_fwd_cuda", [&] {
@@ -372,17 +375,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_fwd_cuda(const at::Tensor&
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  raise_row_error("replay", f.status, a);
-  return {f.logp, f.lse, f.status};
+  return finish_forward("replay", f, a);
 }
 
 at::Tensor replay_bwd_cuda(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& token_ids,
                            const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
                            const at::Tensor& lse, const at::Tensor& status) {
+  const c10::cuda::CUDAGuard guard(logits.device());
   const RowOperands a = replay_operands("replay_bwd", logits, token_ids, offsets, sampled, temperature);
   const SavedOperands sv =
       saved_operands("replay_bwd", grad, lse, status, a.n, replay_out_dtype(logits.scalar_type()), logits.device());
-  const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor out = at::zeros({a.n, a.vocab}, logits.options());  // a memset, then the scatter of K
   at::Tensor err = row_status(logits, a.n);
   if (a.n > 0 && a.vocab > 0) {
@@ -401,8 +403,8 @@ at::Tensor replay_bwd_cuda(const at::Tensor& grad, const at::Tensor& logits, con
 
 std::tuple<at::Tensor, at::Tensor> full_fwd_cuda(const at::Tensor& logits, const at::Tensor& sampled,
                                                  const at::Tensor& temperature) {
-  const RowOperands a = full_operands("full_logprobs", logits, sampled, temperature);
   const c10::cuda::CUDAGuard guard(logits.device());
+  const RowOperands a = full_operands("full_logprobs", logits, sampled, temperature);
   ForwardOutputs f = forward_outputs(logits, a.n);
   if (a.n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "full_fwd_cuda", [&] {
@@ -413,16 +415,16 @@ std::tuple<at::Tensor, at::Tensor> full_fwd_cuda(const at::Tensor& logits, const
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  raise_row_error("full_logprobs", f.status, a);
+  raise_row_error("full_logprobs", f.status, a);  // full_fwd returns no status
   return {f.logp, f.lse};
 }
 
 at::Tensor full_bwd_cuda(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& sampled,
                          const at::Tensor& temperature, const at::Tensor& lse) {
+  const c10::cuda::CUDAGuard guard(logits.device());
   const RowOperands a = full_operands("full_logprobs_bwd", logits, sampled, temperature);
   const SavedOperands sv = saved_operands("full_logprobs_bwd", grad, lse, at::Tensor(), a.n,
                                           replay_out_dtype(logits.scalar_type()), logits.device());
-  const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor out = at::empty({a.n, a.vocab}, logits.options());  // every element of a valid row is written
   at::Tensor err = row_status(logits, a.n);
   if (a.n > 0 && a.vocab > 0) {
@@ -440,8 +442,8 @@ at::Tensor full_bwd_cuda(const at::Tensor& grad, const at::Tensor& logits, const
 
 at::Tensor kept_mass_cuda(const at::Tensor& logits, const at::Tensor& token_ids, const at::Tensor& offsets,
                           const at::Tensor& temperature) {
-  const RowOperands a = replay_operands("kept_mass", logits, token_ids, offsets, at::Tensor(), temperature);
   const c10::cuda::CUDAGuard guard(logits.device());
+  const RowOperands a = replay_operands("kept_mass", logits, token_ids, offsets, at::Tensor(), temperature);
   at::Tensor kept = at::empty({a.n}, logits.options().dtype(replay_out_dtype(logits.scalar_type())));
   at::Tensor status = row_status(logits, a.n);
   if (a.n > 0) {
@@ -461,9 +463,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cuda(const at::Tensor&
                                                                const at::Tensor& bias, const at::Tensor& token_ids,
                                                                const at::Tensor& offsets, const at::Tensor& sampled,
                                                                const at::Tensor& temperature, bool fallback) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
   const HeadOperands hd =
       head_operands("replay_from_hidden", hidden, weight, bias, token_ids, offsets, sampled, temperature);
-  const c10::cuda::CUDAGuard guard(hidden.device());
   ForwardOutputs f = forward_outputs(hidden, hd.rows.n);
   if (hd.rows.n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hidden.scalar_type(), "hidden_fwd_cuda", [&] {
@@ -475,21 +477,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cuda(const at::Tensor&
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  raise_row_error("replay_from_hidden", f.status, hd.rows);
-  if (fallback) hidden_fallback_fwd(hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, f.status, f.logp, f.lse);
-  return {f.logp, f.lse, f.status};
+  return finish_hidden_fwd(hd, f, fallback);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cuda(
     const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
     const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
     const at::Tensor& lse, const at::Tensor& status) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
   const char* op = "replay_from_hidden_bwd";
   const HeadOperands hd = head_operands(op, hidden, weight, bias, token_ids, offsets, sampled, temperature);
   const int64_t n = hd.rows.n, d = hd.d, vocab = hd.rows.vocab, nnz = hd.rows.nnz;
   const SavedOperands sv = saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()),
                                           hidden.device());
-  const c10::cuda::CUDAGuard guard(hidden.device());
   at::Tensor gh = at::empty({n, d}, hd.h.options());
   at::Tensor gw = at::zeros({vocab, d}, hd.w.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor gb = hd.bias ? at::zeros({vocab}, hd.b.options()) : at::empty({0}, hd.h.options());
@@ -517,21 +517,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cuda(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  raise_row_error(op, err, hd.rows);  // before the fallback rows gather their sampled tokens
-  hidden_fallback_bwd(sv.g, hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, sv.ls, sv.st, gh, gw, gb);
-  return {gh, gw, gb};
+  return finish_hidden_bwd(hd, sv, err, gh, gw, gb);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mask_replay, CUDA, m) {
-  m.impl("replay_fwd", &replay_fwd_cuda);
-  m.impl("replay_bwd", &replay_bwd_cuda);
-  m.impl("full_fwd", &full_fwd_cuda);
-  m.impl("full_bwd", &full_bwd_cuda);
-  m.impl("kept_mass", &kept_mass_cuda);
-  m.impl("hidden_fwd", &hidden_fwd_cuda);
-  m.impl("hidden_bwd", &hidden_bwd_cuda);
+  impl_ops(m, kLogitsOps, &replay_fwd_cuda, &replay_bwd_cuda, &full_fwd_cuda, &full_bwd_cuda, &kept_mass_cuda);
+  impl_ops(m, kHeadOps, &hidden_fwd_cuda, &hidden_bwd_cuda);
 }
 
 }  // namespace mask_replay
