@@ -1,6 +1,8 @@
 # make demo   set up .venv, build, run the replay demo on an embedded synthetic RL run
 # make test   set up .venv, build (CUDA kernels too when a GPU and a toolkit are present), run the tests
 # make example  the real-model example (SmolLM2-135M from a PyPI wheel, sampled on the CPU)
+# make asan   AddressSanitizer copy of the CPU extension in build-asan/ (the in-place build is not
+#             touched) and the hostile-input fuzz loop over every op under it (ASAN_SECONDS, 60)
 # CPU_ONLY=1  never compile the CUDA sources; FORCE_CUDA=1 compiles them without a GPU (CI), and
 #             fails if they cannot build
 PYTHON ?= python3
@@ -14,7 +16,7 @@ ifeq ($(FORCE_CUDA),1)
 export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
-.PHONY: venv build test demo example bench clean
+.PHONY: venv build test demo example bench clean asan
 
 $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -49,10 +51,19 @@ demo: build
 example: build $(VENV)/.deps-hf
 	$(VENV)/bin/mask-replay example --out example_out
 
+# Python is not built with ASAN, so the runtime is preloaded, with libstdc++ (else ASAN cannot find
+# the real __cxa_throw and aborts on the first C++ exception); Python's own allocations are never
+# freed at exit by design, so leak detection is off. Any ASAN report exits non-zero.
+ASAN_SECONDS ?= 60
+asan: $(VENV)/.installed
+	MASK_REPLAY_ASAN=1 MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --build-lib build-asan --build-temp build-asan/obj
+	LD_PRELOAD="$$(c++ -print-file-name=libasan.so) $$(c++ -print-file-name=libstdc++.so)" ASAN_OPTIONS=detect_leaks=0 \
+	  MASK_REPLAY_EXTENSION=$$(ls build-asan/mask_replay/_C*.so) $(PY) tests/fuzz_ops.py --seconds $(ASAN_SECONDS)
+
 bench: build
 	$(PY) benchmarks/bench_capture.py
 	$(PY) benchmarks/bench_replay.py
 	$(PY) benchmarks/bench_warper.py
 
 clean:
-	rm -rf build *.egg-info mask_replay/_C*.so
+	rm -rf build build-asan *.egg-info mask_replay/_C*.so

@@ -6,6 +6,8 @@ Environment switches:
   MASK_REPLAY_CPU_ONLY=1    never compile the .cu sources (fast iteration)
   MASK_REPLAY_FORCE_CUDA=1  compile them even if torch sees no GPU (CI: compile and link only)
   MASK_REPLAY_NO_AVX2=1     build the CPU kernels for baseline x86-64 (portable wheels)
+  MASK_REPLAY_ASAN=1        AddressSanitizer build of the CPU kernels (`make asan` builds it into
+                            build-asan/, beside the normal in-place build)
   MASK_REPLAY_SKIP_EXT=1    package metadata only (the Makefile installs the package editable this
                             way once, then builds the extension in place with incremental ninja)
   TORCH_CUDA_ARCH_LIST      defaults to "9.0" (H200) when unset
@@ -37,7 +39,7 @@ def _cuda_home():
 
 
 def _want_cuda():
-    if _flag("MASK_REPLAY_CPU_ONLY"):
+    if _flag("MASK_REPLAY_CPU_ONLY") or _flag("MASK_REPLAY_ASAN"):
         return False
     import torch
 
@@ -69,26 +71,33 @@ def _cpu_arch_flags():
 
 def extensions():
     with_cuda = _want_cuda()
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    # Layout (README "Layout"): schemas, checks and device-free math at the top of csrc/, the CPU
+    # kernels in csrc/cpu/, the CUDA kernels in csrc/cuda/.
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # Shared kernel math must round the same on host and device: no FMA contraction on the host.
     cxx = ["-O3", "-std=c++20", "-ffp-contract=off", "-fno-math-errno"] + _cpu_arch_flags()
+    link = []
+    if _flag("MASK_REPLAY_ASAN"):
+        cxx += ["-O1", "-fsanitize=address", "-fno-omit-frame-pointer", "-g"]  # -O1: quicker to build, readable reports
+        link += ["-fsanitize=address"]
     define_macros = []
     if with_cuda:
         os.environ["CUDA_HOME"] = _cuda_home()
         cpp_extension.CUDA_HOME = _cuda_home()
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-        sources += sorted(glob.glob(os.path.join("csrc", "*.cu")))
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         define_macros.append(("MASK_REPLAY_WITH_CUDA", "1"))
         define_macros.append(("MASK_REPLAY_CUDA_ARCH_LIST", '"' + os.environ["TORCH_CUDA_ARCH_LIST"] + '"'))
         nvcc = ["-O3", "-std=c++20", "--fmad=false", "-lineinfo"]
         ext = cpp_extension.CUDAExtension(
             "mask_replay._C", sources, define_macros=define_macros,
-            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link,
+            include_dirs=[os.path.join(ROOT, "csrc")],
         )
     else:
         ext = cpp_extension.CppExtension(
             "mask_replay._C", sources, define_macros=define_macros,
-            extra_compile_args={"cxx": cxx}, include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={"cxx": cxx}, extra_link_args=link, include_dirs=[os.path.join(ROOT, "csrc")],
         )
     return [ext]
 

@@ -1,7 +1,8 @@
 // Input validation of the capture ops, shared by the CPU and CUDA registrations. Messages name the
 // argument (and the row for per-row values) so a user can find the defect in their batch.
 #pragma once
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <cmath>
 

@@ -1,13 +1,22 @@
 // Operator schemas of the mask_replay namespace and the Python module that carries them.
 // Kernels register per device in their own files (TORCH_LIBRARY_IMPL); fake kernels and autograd
 // are registered from Python (mask_replay/_register.py).
-#include <torch/extension.h>
+//
+// The module itself is a bare CPython module: importing it runs the static registrations below.
+// It needs no pybind11 (torch/extension.h costs more compile time than all the kernels together);
+// build_info is an operator returning JSON.
+#include <Python.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <string>
 
 TORCH_LIBRARY(mask_replay, m) {
   // Support of the truncated sampling distribution as CSR. Parameters are per-row tensors
-  // (temperature f32, top_k i64, top_p f64, min_p f64). logz is logsumexp(logits / T) over the
-  // whole row (f32), computed only when compute_logz, else an empty tensor.
+  // (temperature f32, top_k i64, top_p f64, min_p f64). logz is the selection's own normaliser
+  // (f32), the log of the fixed-point masses' sum (masses below 2^-40 of the max count as 0),
+  // computed only when compute_logz, else an empty tensor. The kept mass of a mask is not taken
+  // from it but from kept_mass, whose logZ is full_fwd's.
   m.def("capture(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
         "bool compute_logz) -> (Tensor token_ids, Tensor offsets, Tensor logz)");
   // Same support into a fixed [N, width] buffer padded with -1, per-row counts (the true support
@@ -33,26 +42,31 @@ TORCH_LIBRARY(mask_replay, m) {
 }
 
 namespace {
-pybind11::dict build_info() {
-  pybind11::dict d;
-  d["cpu"] = true;
+
+std::string build_info() {
+  std::string j = "{\"cpu\": true";
 #if defined(MASK_REPLAY_WITH_CUDA)
-  d["cuda"] = true;
-  d["cuda_arch_list"] = std::string(MASK_REPLAY_CUDA_ARCH_LIST);
+  j += ", \"cuda\": true, \"cuda_arch_list\": \"" MASK_REPLAY_CUDA_ARCH_LIST "\"";
 #else
-  d["cuda"] = false;
-  d["cuda_arch_list"] = std::string();
+  j += ", \"cuda\": false, \"cuda_arch_list\": \"\"";
 #endif
 #if defined(__AVX2__)
-  d["cpu_isa"] = std::string("avx2");
+  j += ", \"cpu_isa\": \"avx2\"";
 #else
-  d["cpu_isa"] = std::string("baseline");
+  j += ", \"cpu_isa\": \"baseline\"";
 #endif
-  d["threads"] = at::get_num_threads();
-  return d;
+  j += ", \"threads\": " + std::to_string(at::get_num_threads()) + "}";
+  return j;
 }
+
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("build_info", &build_info, "Which kernels this build of mask_replay._C contains.");
-}
+// Which kernels this build contains, as a JSON object (read by mask_replay.build_info()).
+TORCH_LIBRARY_FRAGMENT(mask_replay, m) { m.def("build_info() -> str", &build_info); }
+
+namespace {
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "mask_replay's compiled operators (torch.ops.mask_replay).", -1,
+                          nullptr};
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module_def); }

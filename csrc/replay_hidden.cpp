@@ -1,7 +1,13 @@
 // Device-agnostic parts of the sparse LM head (see replay_hidden.h).
 #include "replay_hidden.h"
 
-#include "replay_checks.h"
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/nonzero.h>
+#include <ATen/ops/ones_like.h>
 
 namespace mask_replay {
 namespace {
@@ -10,21 +16,11 @@ namespace {
 at::Tensor fallback_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
                            const at::Tensor& temperature, const at::Tensor& rows, at::ScalarType out) {
   at::Tensor z = at::matmul(hidden.index_select(0, rows), weight.t()).to(out);
-  if (has_bias(bias, weight.size(0))) z = z + bias.to(out);
+  if (bias.numel() > 0) z = z + bias.to(out);
   return z / temperature.index_select(0, rows).to(out).unsqueeze(1);
 }
 
 }  // namespace
-
-void check_hidden_op(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
-                     const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& sampled,
-                     const at::Tensor& temperature) {
-  check_hidden_args(op, hidden, weight, bias);
-  const int64_t n = hidden.size(0);
-  check_mask(op, token_ids, offsets, n, hidden.device());
-  check_vec(op, sampled, "sampled", n, at::kLong, hidden.device());
-  check_vec(op, temperature, "temperature", n, at::kFloat, hidden.device());
-}
 
 void hidden_fallback_fwd(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
                          const at::Tensor& sampled, const at::Tensor& temperature, const at::Tensor& status,
@@ -56,6 +52,21 @@ void hidden_fallback_bwd(const at::Tensor& grad, const at::Tensor& hidden, const
   grad_hidden.index_copy_(0, rows, at::matmul(cw, weight).to(grad_hidden.scalar_type()));
   grad_weight.addmm_(cw.t(), hidden.index_select(0, rows));
   if (grad_bias.numel() > 0) grad_bias.add_(coef.sum(0).to(grad_bias.scalar_type()));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_hidden_fwd(const HeadOperands& hd, ForwardOutputs& f,
+                                                                 bool fallback) {
+  raise_row_error("replay_from_hidden", f.status, hd.rows);
+  if (fallback) hidden_fallback_fwd(hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, f.status, f.logp, f.lse);
+  return {f.logp, f.lse, f.status};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_hidden_bwd(const HeadOperands& hd, const SavedOperands& sv,
+                                                                 const at::Tensor& err, at::Tensor& gh, at::Tensor& gw,
+                                                                 at::Tensor& gb) {
+  raise_row_error("replay_from_hidden_bwd", err, hd.rows);
+  hidden_fallback_bwd(sv.g, hd.h, hd.w, hd.b, hd.rows.ys, hd.rows.ts, sv.ls, sv.st, gh, gw, gb);
+  return {gh, gw, gb};
 }
 
 }  // namespace mask_replay

@@ -77,6 +77,14 @@ MR_HD A prob_of(A x, double lse) {
   return exp_nonpos(static_cast<A>(static_cast<double>(x) - lse));
 }
 
+// The mass a support keeps, exp(lse_K - lse_V). K is a subset of V, so it is at most 1; the two
+// sums are rounded separately, so a support holding (nearly) all the mass could come out a few
+// ulps above 1: the bound is enforced here, the one place both devices take it from.
+MR_HD double kept_fraction(double lse_k, double lse_v) {
+  const double d = lse_k - lse_v;
+  return d >= 0.0 ? 1.0 : ::exp(d);  // NaN fails the test and stays NaN
+}
+
 // d logp / d z_j = (1/T)(1[j = y] - q_j), scaled by the incoming gradient g (g_over_t = g / T).
 // For |K| = 1 with j = y, q = exp(0) = 1 exactly, so the coefficient is exactly 0.
 template <class A>
@@ -84,12 +92,31 @@ MR_HD A grad_coef(A g_over_t, A q, bool is_sampled) {
   return g_over_t * ((is_sampled ? static_cast<A>(1) : static_cast<A>(0)) - q);
 }
 
-// Checks a row can be read safely and its parameters make sense; kReplayed when it can.
-MR_HD int8_t precheck_row(int64_t lo, int64_t hi, int64_t nnz, float t, int64_t y, int64_t vocab,
-                          bool has_sampled) {
-  if (lo < 0 || hi < lo || hi > nnz) return kErrOffsets;
+// The per-row inputs of a replay op as plain pointers (no torch types), filled once on the host by
+// replay_checks.h and passed by value to the CPU loops and the CUDA kernels alike.
+struct RowInputs {
+  const int32_t* ids;  // token_ids [nnz]; nullptr for the full-vocabulary ops
+  const int64_t* off;  // offsets [n + 1]; nullptr for the full-vocabulary ops
+  const int64_t* ys;   // sampled [n]; nullptr for kept_mass
+  const float* ts;     // temperature [n]
+  int64_t n, vocab, nnz;
+};
+
+// The CSR contract of SamplingMask.validate(), checked row by row where the row is read:
+// offsets[0] == 0, offsets never decrease, offsets[n] == nnz. The local bounds (lo >= 0,
+// hi <= nnz) make every row safe to read even before the other rows have been checked.
+MR_HD bool row_offsets_ok(const RowInputs& in, int64_t r) {
+  const int64_t lo = in.off[r], hi = in.off[r + 1];
+  return lo >= 0 && lo <= hi && hi <= in.nnz && (r > 0 || lo == 0) && (r < in.n - 1 || hi == in.nnz);
+}
+
+// Checks row r can be read safely and its parameters make sense; kReplayed when it can. Every
+// op calls it for every row it touches, backward ops included: their inputs are as untrusted.
+MR_HD int8_t precheck_row(const RowInputs& in, int64_t r) {
+  if (in.off && !row_offsets_ok(in, r)) return kErrOffsets;
+  const float t = in.ts[r];
   if (!(t > 0.0f && t <= kMaxFinite)) return kErrTemperature;  // NaN fails both
-  if (has_sampled && (y < 0 || y >= vocab)) return kErrSampledRange;
+  if (in.ys && (in.ys[r] < 0 || in.ys[r] >= in.vocab)) return kErrSampledRange;
   return kReplayed;
 }
 
@@ -97,6 +124,42 @@ MR_HD int8_t precheck_row(int64_t lo, int64_t hi, int64_t nnz, float t, int64_t 
 MR_HD int8_t check_entry(int64_t id, int64_t prev, int64_t vocab) {
   if (id < 0 || id >= vocab) return kErrTokenRange;
   if (id <= prev) return kErrNotAscending;
+  return kReplayed;
+}
+
+// A whole row's entries, one after another (the sequential loops; CUDA warps check in parallel).
+MR_HD int8_t check_entries(const int32_t* ids, int64_t lo, int64_t hi, int64_t vocab) {
+  int64_t prev = -1;
+  for (int64_t e = lo; e < hi; ++e) {
+    const int8_t st = check_entry(ids[e], prev, vocab);
+    if (st != kReplayed) return st;
+    prev = ids[e];
+  }
+  return kReplayed;
+}
+
+// Logsumexp over a row's support ids[lo, hi), each entry checked before logit(id) reads it (x =
+// z_id / T), and x of the sampled token y (-1: none). Sequential: the CPU loops, and the CUDA
+// sparse head, where a whole warp computes each logit. Returns kReplayed or the entry's error.
+template <class A, class Logit>
+MR_HD int8_t support_scan(const int32_t* ids, int64_t lo, int64_t hi, int64_t vocab, int64_t y, const Logit& logit,
+                          A& m, double& s, A& xy, bool& found) {
+  m = neg_inf<A>();
+  s = 0.0;
+  found = false;
+  int64_t prev = -1;
+  for (int64_t e = lo; e < hi; ++e) {
+    const int64_t id = ids[e];
+    const int8_t st = check_entry(id, prev, vocab);
+    if (st != kReplayed) return st;
+    prev = id;
+    const A x = logit(id);
+    lse_push(m, s, x);
+    if (id == y) {
+      found = true;
+      xy = x;
+    }
+  }
   return kReplayed;
 }
 

@@ -44,23 +44,24 @@ def capture(
     profiles.check_profile(profile)
     t, k, p, mp = expand_params(n, logits.device, temperature, top_k, top_p, min_p)
     if profile == "exact":
-        token_ids, offsets, logz = ops.capture(logits, t, k, p, mp, sampled is not None)
+        token_ids, offsets, _ = ops.capture(logits, t, k, p, mp, False)
     else:
-        token_ids, offsets, logz = profiles.engine_support(
+        token_ids, offsets, _ = profiles.engine_support(
             logits, profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     meta = {"semantics": profiles.semantics(profile), "vocab_size": v,
             "params": describe(temperature, top_k, top_p, min_p)}
     mask = SamplingMask(token_ids, offsets, metadata=meta)
     if sampled is not None:
-        _attach_sampled(mask, logits, sampled, t, logz, outside)
+        _attach_sampled(mask, logits, sampled, t, outside)
     return mask
 
 
-def _attach_sampled(mask, logits, sampled, t, logz, outside):
+def _attach_sampled(mask, logits, sampled, t, outside):
     n, v = logits.shape
-    if sampled.dim() != 1 or sampled.numel() != n:
-        raise ValueError(f"sampled must have shape [{n}], got {tuple(sampled.shape)}")
-    if sampled.is_floating_point():
+    if not isinstance(sampled, torch.Tensor) or sampled.dim() != 1 or sampled.numel() != n:
+        shape = tuple(sampled.shape) if isinstance(sampled, torch.Tensor) else type(sampled).__name__
+        raise ValueError(f"sampled must be a tensor of shape [{n}], got {shape}")
+    if sampled.is_floating_point() or sampled.is_complex() or sampled.dtype == torch.bool:
         raise ValueError(f"sampled must hold integer token ids, got {sampled.dtype}")
     sampled = sampled.to(device=logits.device, dtype=torch.int64)
     if n:
@@ -72,18 +73,18 @@ def _attach_sampled(mask, logits, sampled, t, logz, outside):
     # Greedy rows have a single-token support: log-prob 0 and all the (limit) mass, when the
     # sampled token is that token. Replay them at T = 1, which gives the same support answer.
     t_replay = torch.where(greedy, torch.ones_like(t), t)
-    logp, lse, status = ops.replay_fwd(logits, mask.token_ids, mask.offsets, sampled, t_replay, True)
+    logp, _, status = ops.replay_fwd(logits, mask.token_ids, mask.offsets, sampled, t_replay, True)
     outside_rows = status != 0
     if outside == "error" and n and bool(outside_rows.any()):
         r = int(torch.nonzero(outside_rows)[0])
         raise OutsideSupportError(
             f"sampled token {int(sampled[r])} is outside the support of row {r} "
             f"({int(mask.lengths()[r])} tokens); pass outside='flag' to record such rows instead")
-    kept = torch.exp(lse - logz)
+    # The mass the support keeps, by the one definition of logZ that full_logprobs shares (the
+    # capture kernel's own normaliser is a fixed-point sum made for the top-p decision, which
+    # drops masses below 2^-40 of the max).
+    kept = ops.kept_mass(logits, mask.token_ids, mask.offsets, t_replay)
     if bool(outside_rows.any()):
-        # replay_fwd fell back to the full vocabulary there, so lse is not over the support
-        full = ops.kept_mass(logits, mask.token_ids, mask.offsets, t_replay)
-        kept = torch.where(outside_rows, full, kept)
         logp = logp.masked_fill(outside_rows, float("-inf"))
         mask.extras["outside_support"] = outside_rows.clone()
     mask.sampled = sampled

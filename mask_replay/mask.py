@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -30,6 +31,18 @@ class SamplingMask:
     kept_mass: Optional[torch.Tensor] = None  # float32 [N], mass of the support under softmax(z/T)
     extras: dict = field(default_factory=dict)  # other per-row tensors [N] (step, sequence, ...)
     metadata: dict = field(default_factory=dict)  # str -> str
+
+    def __post_init__(self):
+        # Only types here (O(1)): the values are checked by validate() and by the ops.
+        for name in ("token_ids", "offsets"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise MaskFormatError(f"SamplingMask: {name} must be a tensor, got {type(getattr(self, name)).__name__}")
+        for name in _ROW_EXTRAS:
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, torch.Tensor):
+                raise MaskFormatError(f"SamplingMask: {name} must be a tensor or None, got {type(v).__name__}")
+        if not isinstance(self.extras, dict) or not all(isinstance(v, torch.Tensor) for v in self.extras.values()):
+            raise MaskFormatError("SamplingMask: extras must be a dict of per-row tensors")
 
     # ---- shape -------------------------------------------------------------------------------
     @property
@@ -122,6 +135,12 @@ class SamplingMask:
 
     # ---- conversions -------------------------------------------------------------------------
     def to_dense(self, vocab_size: int) -> torch.Tensor:
+        """[N, vocab_size] bool. The mask is validated first: an id outside [0, vocab_size) would
+        otherwise wrap (a negative index) or fail deep inside indexing."""
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 0:
+            raise ValueError(f"to_dense: vocab_size must be an integer >= 0, got {vocab_size!r}")
+        vocab_size = int(vocab_size)
+        self.validate(vocab_size, source="to_dense")
         dense = torch.zeros(self.num_rows, vocab_size, dtype=torch.bool, device=self.device)
         if self.nnz:
             dense[self.row_ids(), self.token_ids.long()] = True

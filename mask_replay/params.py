@@ -1,44 +1,113 @@
-"""Expansion of sampling parameters (scalar, per-row tensor or None) into per-row tensors."""
+"""Expansion of sampling parameters (scalar, per-row tensor or None) into per-row tensors.
+
+The one place where a Python or numpy number, or a tensor, becomes a per-row parameter of the
+kernels; capture (params here) and replay (temperature_per_row) both go through it.
+"""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Union
 
 import torch
 
 Param = Union[None, int, float, torch.Tensor]
 
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def is_number(value) -> bool:
+    # numbers.Real covers int, float and the numpy scalars (np.int64, np.float32, ...); bool (and
+    # numpy's bool_, which is no Real) is a flag, never a sampling parameter.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# float32 rounds a positive value to 0 at or below 2^-150 (half the smallest subnormal, a tie that
+# goes to the even 0) and to inf at or above FLT_MAX + half an ulp.
+_F32_TO_ZERO = 2.0 ** -150
+_F32_TO_INF = 3.4028235677973366e38
+
+
+def _float32_problem(v: float) -> Optional[str]:
+    if 0 < abs(v) <= _F32_TO_ZERO:
+        return "rounds to 0"
+    if math.isfinite(v) and abs(v) >= _F32_TO_INF:
+        return "overflows"
+    return None
+
+
+def _check_float32(name: str, value, dtype: torch.dtype, converted: Optional[torch.Tensor] = None) -> None:
+    """A value that float32 cannot hold would silently change meaning (T = 1e-46 turns greedy, 1e39
+    becomes inf): name it (and its row). Scalars are checked in plain Python (free, and traceable by
+    torch.compile); tensors only outside tracing, where a data-dependent check is possible."""
+    if isinstance(value, torch.Tensor):
+        if (value.dtype == torch.float32 or not value.is_floating_point() or dtype != torch.float32
+                or torch.compiler.is_compiling()):
+            return
+        o = value.detach().to("cpu", torch.float64)
+        c = converted.detach().cpu()
+        bad = torch.nonzero(((o != 0) & (c == 0)) | (torch.isfinite(o) & torch.isinf(c)))
+        if bad.numel():
+            r = int(bad[0])
+            raise ValueError(f"{name} {float(o[r]):g} (row {r}) {_float32_problem(float(o[r]))} in float32")
+    elif dtype == torch.float32:
+        problem = _float32_problem(float(value))
+        if problem:
+            raise ValueError(f"{name} {float(value):g} {problem} in float32")
+
 
 def _per_row(value, n: int, dtype, device, name: str, off) -> torch.Tensor:
     if value is None:
         return torch.full((n,), off, dtype=dtype, device=device)
     if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_complex():
+            raise ValueError(f"{name}: expected a number or a tensor of numbers, got a {value.dtype} tensor")
         if value.dim() == 0:
             value = value.reshape(1).expand(n)
         if value.dim() != 1 or value.numel() != n:
             raise ValueError(f"{name}: expected a scalar or a tensor of shape [{n}], got {tuple(value.shape)}")
         if value.is_floating_point() and dtype == torch.int64:
             raise ValueError(f"{name}: expected integers, got {value.dtype}")
-        return value.to(device=device, dtype=dtype).contiguous()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        out = value.to(device=device, dtype=dtype).contiguous()
+        _check_float32(name, value, dtype, out)
+        return out
+    if not is_number(value):
         raise TypeError(f"{name}: expected a number, a tensor or None, got {type(value).__name__}")
-    if dtype == torch.int64 and not float(value).is_integer():
-        raise ValueError(f"{name}: expected an integer, got {value}")
+    if dtype == torch.int64:
+        if not float(value).is_integer():
+            raise ValueError(f"{name}: expected an integer, got {value}")
+        value = int(value)
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise ValueError(f"{name}: {value} does not fit in a 64-bit integer")
+    else:
+        value = float(value)
+    _check_float32(name, value, dtype)
     return torch.full((n,), value, dtype=dtype, device=device)
+
+
+def temperature_per_row(temperature, n: int, device, *, allow_zero: bool) -> torch.Tensor:
+    """Per-row float32 temperatures [N]. A scalar is checked here (finite, > 0, or >= 0 where 0 means
+    greedy); tensor values row by row in the kernels."""
+    if is_number(temperature):
+        t = float(temperature)
+        if not (math.isfinite(t) and (t > 0 or (allow_zero and t == 0))):
+            raise ValueError(f"temperature must be finite and {'>=' if allow_zero else '>'} 0, got {temperature}")
+    elif isinstance(temperature, torch.Tensor):
+        temperature = temperature.detach()
+    return _per_row(temperature, n, torch.float32, device, "temperature", 1.0)
 
 
 def expand_params(n: int, device, temperature: Param, top_k: Param, top_p: Param, min_p: Param):
     """Per-row (temperature f32, top_k i64, top_p f64, min_p f64); scalars are checked here, tensor
     values row by row in the kernels (CPU) or before launch (CUDA)."""
     for name, v, ok, want in (
-        ("temperature", temperature, lambda x: x >= 0 and math.isfinite(x), "finite and >= 0"),
         ("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]"),
         ("min_p", min_p, lambda x: 0 <= x <= 1, "in [0, 1]"),
     ):
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not ok(float(v)):
+        if is_number(v) and not ok(float(v)):
             raise ValueError(f"{name} must be {want}, got {v}")
     return (
-        _per_row(temperature, n, torch.float32, device, "temperature", 1.0),
+        temperature_per_row(temperature, n, device, allow_zero=True),
         _per_row(top_k, n, torch.int64, device, "top_k", 0),
         _per_row(top_p, n, torch.float64, device, "top_p", 1.0),
         _per_row(min_p, n, torch.float64, device, "min_p", 0.0),
@@ -50,5 +119,7 @@ def describe(temperature: Param, top_k: Param, top_p: Param, min_p: Param) -> di
     def d(v):
         if isinstance(v, torch.Tensor):
             return v.item() if v.numel() == 1 else "per-row"
+        if is_number(v):  # numpy scalars are not JSON-able
+            return int(v) if isinstance(v, numbers.Integral) else float(v)
         return v
     return {"temperature": d(temperature), "top_k": d(top_k), "top_p": d(top_p), "min_p": d(min_p)}

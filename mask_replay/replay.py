@@ -13,7 +13,6 @@ int8 tensor [N]: 0 replayed over K, 1 fell back because the sampled token was ou
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from mask_replay._ext import ops
 from mask_replay.layouts import replay_layout
 from mask_replay.mask import SamplingMask
+from mask_replay.params import is_number, temperature_per_row
 from mask_replay.segments import output_dtype
 from mask_replay.sparse_head import replay_from_hidden_sparse
 
@@ -30,19 +30,19 @@ REPLAYED, FELL_BACK_OUTSIDE, FELL_BACK_EMPTY = 0, 1, 2
 
 
 def _temperature(temperature: Temperature, n: int, device) -> torch.Tensor:
-    """Per-row float32 [N]; values are checked row by row in the kernels."""
-    if isinstance(temperature, torch.Tensor):
-        t = temperature.detach()
-        if t.dim() == 0:
-            t = t.reshape(1).expand(n)
-        if t.dim() != 1 or t.shape[0] != n:
-            raise ValueError(f"temperature: expected a scalar or a tensor of shape [{n}], got {tuple(t.shape)}")
-        return t.to(device=device, dtype=torch.float32).contiguous()
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    """Per-row float32 [N] (> 0; tensor values are checked row by row in the kernels)."""
+    if not isinstance(temperature, torch.Tensor) and not is_number(temperature):
         raise TypeError(f"temperature: expected a number or a tensor, got {type(temperature).__name__}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    return torch.full((n,), float(temperature), dtype=torch.float32, device=device)
+    return temperature_per_row(temperature, n, device, allow_zero=False)
+
+
+def _rows_of(x: torch.Tensor, name: str, shape: str) -> int:
+    """Rows of a 2-D input; anything else is named with the shape it must have."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of shape {shape}, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor of shape {shape}, got shape {tuple(x.shape)}")
+    return x.shape[0]
 
 
 def _sampled(sampled: Optional[torch.Tensor], mask: Optional[SamplingMask], n: int, device) -> torch.Tensor:
@@ -53,7 +53,7 @@ def _sampled(sampled: Optional[torch.Tensor], mask: Optional[SamplingMask], n: i
     if not isinstance(sampled, torch.Tensor) or sampled.dim() != 1 or sampled.shape[0] != n:
         shape = tuple(sampled.shape) if isinstance(sampled, torch.Tensor) else type(sampled).__name__
         raise ValueError(f"sampled must be a tensor of shape [{n}], got {shape}")
-    if sampled.is_floating_point() or sampled.is_complex():
+    if sampled.is_floating_point() or sampled.is_complex() or sampled.dtype == torch.bool:
         raise ValueError(f"sampled must hold integer token ids, got {sampled.dtype}")
     return sampled.to(device=device, dtype=torch.int64).contiguous()
 
@@ -105,7 +105,7 @@ def replay_logprobs(
                              cu_seqlens=cu_seqlens, fallback=fallback, return_status=return_status,
                              out_dtype=out_dtype)
     out = output_dtype(out_dtype, logits.dtype, "replay_logprobs")
-    n = logits.shape[0]
+    n = _rows_of(logits, "logits", "[N, V]")
     ids, offsets = _mask_tensors(mask, logits.device)
     y = _sampled(sampled, mask, n, logits.device)
     t = _temperature(temperature, n, logits.device)
@@ -144,7 +144,8 @@ def replay_logprobs_from_hidden(
         return replay_from_hidden_sparse(hidden, weight, mask, sampled, temperature, bias, fallback=fallback,
                                          return_status=return_status, out_dtype=out_dtype)
     out = output_dtype(out_dtype, hidden.dtype, "replay_logprobs_from_hidden")
-    n = hidden.shape[0]
+    n = _rows_of(hidden, "hidden", "[N, d]")
+    _rows_of(weight, "weight", "[V, d]")
     ids, offsets = _mask_tensors(mask, hidden.device)
     y = _sampled(sampled, mask, n, hidden.device)
     t = _temperature(temperature, n, hidden.device)
@@ -157,7 +158,7 @@ def replay_logprobs_from_hidden(
 def full_logprobs(logits: torch.Tensor, sampled: torch.Tensor, temperature: Temperature = 1.0) -> torch.Tensor:
     """log softmax(logits / T)[sampled] over the whole vocabulary (the no-replay baseline), one
     pass over each row, differentiable w.r.t. logits."""
-    n = logits.shape[0]
+    n = _rows_of(logits, "logits", "[N, V]")
     y = _sampled(sampled, None, n, logits.device)
     t = _temperature(temperature, n, logits.device)
     logp, _ = ops.full_fwd(logits, y, t)
@@ -167,6 +168,6 @@ def full_logprobs(logits: torch.Tensor, sampled: torch.Tensor, temperature: Temp
 def kept_mass(logits: torch.Tensor, mask: SamplingMask, temperature: Temperature = 1.0) -> torch.Tensor:
     """exp(logsumexp_K x - logsumexp_V x): the probability mass the support keeps under the full
     temperature-scaled distribution (0 for an empty row). Not differentiable."""
-    n = logits.shape[0]
+    n = _rows_of(logits, "logits", "[N, V]")
     ids, offsets = _mask_tensors(mask, logits.device)
     return ops.kept_mass(logits, ids, offsets, _temperature(temperature, n, logits.device))

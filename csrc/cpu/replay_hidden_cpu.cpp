@@ -3,6 +3,9 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -34,24 +37,6 @@ void axpy(A c, const T* x, A* acc, int64_t d) {
   for (int64_t k = 0; k < d; ++k) acc[k] += c * static_cast<A>(x[k]);
 }
 
-// Operands in the layout the kernels index: hidden [N, d] and bias contiguous, weight rows of
-// unit stride at any row stride (a slice of a padded LM head is used without a copy).
-struct Head {
-  at::Tensor h, w, b;
-  int64_t ws;
-  bool bias;
-};
-
-Head prepare(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias) {
-  Head hd;
-  hd.h = hidden.contiguous();
-  hd.w = weight.stride(1) == 1 ? weight : weight.contiguous();
-  hd.ws = hd.w.stride(0);
-  hd.bias = has_bias(bias, weight.size(0));
-  hd.b = hd.bias ? bias.contiguous() : bias;
-  return hd;
-}
-
 template <class T, class A>
 A head_logit(const T* h, const T* w, int64_t ws, const T* b, int64_t id, int64_t d, A t) {
   A z = dot<T, A>(h, w + id * ws, d);
@@ -63,47 +48,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cpu(const at::Tensor& 
                                                               const at::Tensor& bias, const at::Tensor& token_ids,
                                                               const at::Tensor& offsets, const at::Tensor& sampled,
                                                               const at::Tensor& temperature, bool fallback) {
-  check_hidden_op("replay_from_hidden", hidden, weight, bias, token_ids, offsets, sampled, temperature);
-  const Head hd = prepare(hidden, weight, bias);
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ys = sampled.contiguous(),
-                   ts = temperature.contiguous();
-  const int64_t n = hidden.size(0), d = hidden.size(1), vocab = weight.size(0), nnz = ids.numel();
-  const auto out = hidden.options().dtype(replay_out_dtype(hidden.scalar_type()));
-  at::Tensor logp = at::zeros({n}, out), lse = at::zeros({n}, out);
-  at::Tensor status = at::empty({n}, hidden.options().dtype(at::kChar));
+  const HeadOperands hd =
+      head_operands("replay_from_hidden", hidden, weight, bias, token_ids, offsets, sampled, temperature);
+  const RowInputs in = hd.rows.view();
+  const int64_t d = hd.d;
+  ForwardOutputs f = forward_outputs(hidden, in.n);
+  f.logp.zero_();  // fallback rows are filled by the dense helper, which needs defined values
+  f.lse.zero_();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hidden.scalar_type(), "hidden_fwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* hp = hd.h.const_data_ptr<scalar_t>();
     const scalar_t* wp = hd.w.const_data_ptr<scalar_t>();
     const scalar_t* bp = hd.bias ? hd.b.const_data_ptr<scalar_t>() : nullptr;
-    const int32_t* idp = ids.const_data_ptr<int32_t>();
-    const int64_t* op = off.const_data_ptr<int64_t>();
-    const int64_t* yp = ys.const_data_ptr<int64_t>();
-    const float* tp = ts.const_data_ptr<float>();
-    A* lp = logp.data_ptr<A>();
-    A* lsp = lse.data_ptr<A>();
-    int8_t* sp = status.data_ptr<int8_t>();
-    at::parallel_for(0, n, 8, [&](int64_t r0, int64_t r1) {
+    A* lp = f.logp.data_ptr<A>();
+    A* lsp = f.lse.data_ptr<A>();
+    int8_t* sp = f.status.data_ptr<int8_t>();
+    at::parallel_for(0, in.n, 8, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const int64_t lo = op[r], hi = op[r + 1], y = yp[r];
-        int8_t st = precheck_row(lo, hi, nnz, tp[r], y, vocab, true);
-        const A t = static_cast<A>(tp[r]);
-        A m = neg_inf<A>(), xy = 0;
-        double s = 0.0;
-        bool found = false;
-        int64_t prev = -1;
-        for (int64_t e = lo; st == kReplayed && e < hi; ++e) {
-          const int64_t id = idp[e];
-          st = check_entry(id, prev, vocab);
-          if (st != kReplayed) break;
-          prev = id;
-          const A x = head_logit<scalar_t, A>(hp + r * d, wp, hd.ws, bp, id, d, t);
-          lse_push(m, s, x);
-          if (id == y) {
-            found = true;
-            xy = x;
-          }
+        int8_t st = precheck_row(in, r);
+        if (st != kReplayed) {
+          sp[r] = st;
+          continue;
         }
+        const int64_t lo = in.off[r], hi = in.off[r + 1];
+        const A t = static_cast<A>(in.ts[r]);
+        A m, xy = 0;
+        double s;
+        bool found;
+        st = support_scan(in.ids, lo, hi, in.vocab, in.ys[r],
+                          [&](int64_t id) { return head_logit<scalar_t, A>(hp + r * d, wp, hd.ws, bp, id, d, t); },
+                          m, s, xy, found);
         if (st == kReplayed) st = row_decision(hi - lo, found, fallback);
         sp[r] = st;
         if (st != kReplayed) continue;  // fallback rows are filled below, errors raised
@@ -113,24 +87,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cpu(const at::Tensor& 
       }
     });
   });
-  raise_row_error("replay_from_hidden", status, off, nnz, ys, ts, vocab);
-  if (fallback) hidden_fallback_fwd(hd.h, hd.w, hd.b, ys, ts, status, logp, lse);
-  return {logp, lse, status};
+  return finish_hidden_fwd(hd, f, fallback);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
     const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
     const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
     const at::Tensor& lse, const at::Tensor& status) {
-  check_hidden_op("replay_from_hidden_bwd", hidden, weight, bias, token_ids, offsets, sampled, temperature);
-  const int64_t n = hidden.size(0), d = hidden.size(1), vocab = weight.size(0);
-  check_saved("replay_from_hidden_bwd", grad, lse, &status, n, replay_out_dtype(hidden.scalar_type()),
-              hidden.device());
-  const Head hd = prepare(hidden, weight, bias);
-  const at::Tensor ids = token_ids.contiguous(), off = offsets.contiguous(), ys = sampled.contiguous(),
-                   ts = temperature.contiguous(), g = grad.contiguous(), ls = lse.contiguous(),
-                   st = status.contiguous();
-  const int64_t nnz = ids.numel();
+  const char* op = "replay_from_hidden_bwd";
+  const HeadOperands hd = head_operands(op, hidden, weight, bias, token_ids, offsets, sampled, temperature);
+  const RowInputs in = hd.rows.view();
+  const int64_t n = in.n, d = hd.d, vocab = in.vocab, nnz = in.nnz;
+  const SavedOperands sv = saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()),
+                                          hidden.device());
   at::Tensor gh = at::empty({n, d}, hidden.options());
   // Written completely by pass 2 (zeros outside the supports).
   at::Tensor gw = at::empty({vocab, d}, weight.options().memory_format(at::MemoryFormat::Contiguous));
@@ -138,37 +107,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
   const auto acc_t = replay_out_dtype(hidden.scalar_type());
   at::Tensor coef = at::zeros({nnz}, hidden.options().dtype(acc_t));
   at::Tensor row_of = at::empty({nnz}, hidden.options().dtype(at::kLong));
+  at::Tensor err = row_status(hidden, n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hidden.scalar_type(), "hidden_bwd_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* hp = hd.h.const_data_ptr<scalar_t>();
     const scalar_t* wp = hd.w.const_data_ptr<scalar_t>();
     const scalar_t* bp = hd.bias ? hd.b.const_data_ptr<scalar_t>() : nullptr;
-    const int32_t* idp = ids.const_data_ptr<int32_t>();
-    const int64_t* op = off.const_data_ptr<int64_t>();
-    const int64_t* yp = ys.const_data_ptr<int64_t>();
-    const float* tp = ts.const_data_ptr<float>();
-    const A* gp = g.const_data_ptr<A>();
-    const A* lsp = ls.const_data_ptr<A>();
-    const int8_t* sp = st.const_data_ptr<int8_t>();
+    const A* gp = sv.g.const_data_ptr<A>();
+    const A* lsp = sv.ls.const_data_ptr<A>();
+    const int8_t* sp = sv.st.const_data_ptr<int8_t>();
     A* cp = coef.data_ptr<A>();
     int64_t* rp = row_of.data_ptr<int64_t>();
+    int8_t* ep = err.data_ptr<int8_t>();
     scalar_t* ghp = gh.data_ptr<scalar_t>();
-    // Pass 1, rows in parallel: the coefficient of every entry and grad_hidden = sum_K c_j w_j.
+    // Pass 1, rows in parallel: every row checked (pass 2 reads the ids of all of them), then the
+    // coefficient of every entry and grad_hidden = sum_K c_j w_j.
     at::parallel_for(0, n, 8, [&](int64_t r0, int64_t r1) {
       std::vector<A> acc(d);
       for (int64_t r = r0; r < r1; ++r) {
-        const int64_t lo = std::max<int64_t>(op[r], 0), hi = std::min(op[r + 1], nnz);
+        int8_t e0 = precheck_row(in, r);
+        if (e0 == kReplayed) e0 = check_entries(in.ids, in.off[r], in.off[r + 1], vocab);
+        ep[r] = e0;
+        if (e0 != kReplayed) continue;  // raised before pass 2
+        const int64_t lo = in.off[r], hi = in.off[r + 1];
         std::fill(acc.begin(), acc.end(), A(0));
         for (int64_t e = lo; e < hi; ++e) rp[e] = r;
         if (sp[r] == kReplayed) {  // fallback rows: coefficients stay 0, filled by the dense helper
-          const A t = static_cast<A>(tp[r]);
+          const A t = static_cast<A>(in.ts[r]);
           const A gt = gp[r] / t;
           const double l = static_cast<double>(lsp[r]);
           for (int64_t e = lo; e < hi; ++e) {
-            const int64_t id = idp[e];
-            if (id < 0 || id >= vocab) continue;  // validated by the forward; keeps misuse memory safe
+            const int64_t id = in.ids[e];
             const A q = prob_of(head_logit<scalar_t, A>(hp + r * d, wp, hd.ws, bp, id, d, t), l);
-            const A c = grad_coef(gt, q, id == yp[r]);
+            const A c = grad_coef(gt, q, id == in.ys[r]);
             cp[e] = c;
             if (c != A(0)) axpy(c, wp + id * hd.ws, acc.data(), d);
           }
@@ -176,18 +147,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
         for (int64_t k = 0; k < d; ++k) ghp[r * d + k] = static_cast<scalar_t>(acc[k]);
       }
     });
+    // From here on every id is in [0, V) and every entry has its row.
+    raise_row_error("replay_from_hidden_bwd", err, hd.rows);
     // Pass 2: grad_weight[j] = sum over entries of token j of c * h[row], rows of the vocabulary
     // in parallel. Entries are grouped by token (stable sort) so each weight row is summed by one
     // thread in a fixed order: deterministic, no atomics, accumulated in A even for bf16 weights.
     // Rows of tokens in no support are zeroed in the same pass, so the [V, d] gradient is written
     // once (a separate zero fill would double the dominant memory traffic).
     at::Tensor sids, order;
-    if (nnz > 0) std::tie(sids, order) = at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    if (nnz > 0) std::tie(sids, order) = at::sort(hd.rows.ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
     const int32_t* sip = nnz > 0 ? sids.const_data_ptr<int32_t>() : nullptr;
     const int64_t* orp = nnz > 0 ? order.const_data_ptr<int64_t>() : nullptr;
     std::vector<int64_t> seg_start(vocab + 1, -1);  // first sorted position of token j, or -1
-    for (int64_t q = nnz - 1; q >= 0; --q)
-      if (sip[q] >= 0 && sip[q] < vocab) seg_start[sip[q]] = q;
+    for (int64_t q = nnz - 1; q >= 0; --q) seg_start[sip[q]] = q;
     scalar_t* gwp = gw.data_ptr<scalar_t>();
     scalar_t* gbp = hd.bias ? gb.data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, vocab, 256, [&](int64_t j0, int64_t j1) {
@@ -213,15 +185,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
       }
     });
   });
-  hidden_fallback_bwd(g, hd.h, hd.w, hd.b, ys, ts, ls, st, gh, gw, gb);
-  return {gh, gw, gb};
+  return finish_hidden_bwd(hd, sv, err, gh, gw, gb);  // the error check again is a no-op
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mask_replay, CPU, m) {
-  m.impl("hidden_fwd", &hidden_fwd_cpu);
-  m.impl("hidden_bwd", &hidden_bwd_cpu);
-}
+TORCH_LIBRARY_IMPL(mask_replay, CPU, m) { impl_ops(m, kHeadOps, &hidden_fwd_cpu, &hidden_bwd_cpu); }
 
 }  // namespace mask_replay

@@ -6,8 +6,10 @@
 // safe because the k-th largest (or the top-p threshold) of a subset never exceeds that of the
 // whole row. The final radix selection runs over the buffer alone. Top-p without top-k needs the
 // survivors' total mass first: one vectorised pass of exact fixed-point sums.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <torch/library.h>
 
 #include <algorithm>
