@@ -194,18 +194,13 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
     if greedy_np.any():
         n_greedy = int(greedy_np.sum())
         notes.append(f"{n_greedy} greedy {'row' if n_greedy == 1 else 'rows'} (temperature 0) left out of the metrics")
-    if flagged_np.any():
-        notes.append(f"{_rows(int(flagged_np.sum()))} flagged by capture (--outside flag: sampled token outside "
-                     f"the support), first row {int(np.argmax(flagged_np))}: left out of the metrics")
-    if unsampled_np.any():
-        notes.append(f"{_rows(int(unsampled_np.sum()))} with an empty support (not sampled by the engine), first row "
-                     f"{int(np.argmax(unsampled_np))}: left out of the metrics")
-    if no_rollout.any():
-        notes.append(f"{_rows(int(no_rollout.sum()))} without a finite rollout log-prob, first row "
-                     f"{int(np.argmax(no_rollout))}: left out of the metrics")
-    if no_train.any():
-        notes.append(f"{_rows(int(no_train.sum()))} with a -inf training log-prob (the training logit of the "
-                     f"sampled token is -inf), first row {int(np.argmax(no_train))}: left out of the metrics")
+    left_out = ((flagged_np, "flagged by capture (--outside flag: sampled token outside the support)"),
+                (unsampled_np, "with an empty support (not sampled by the engine)"),
+                (no_rollout, "without a finite rollout log-prob"),
+                (no_train, "with a -inf training log-prob (the training logit of the sampled token is -inf)"))
+    for which, what in left_out:
+        if which.any():
+            notes.append(f"{_rows(int(which.sum()))} {what}, first row {int(np.argmax(which))}: left out of the metrics")
     pick = lambda x: None if x is None else x.numpy()[keep]  # noqa: E731
     step, seq = pick(mask.extras.get("step")), pick(mask.extras.get("sequence"))
     rollout, r, f = rollout[keep], rep.double().numpy()[keep], full.double().numpy()[keep]

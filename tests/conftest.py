@@ -21,3 +21,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- CLI fixtures shared by test_cli*.py: a small rollout dump and its captured mask file ---------
+@pytest.fixture
+def rollout(tmp_path):
+    from test_cli import rollout_tensors, write
+
+    return write(tmp_path / "rollout.safetensors", rollout_tensors())
+
+
+@pytest.fixture
+def captured(tmp_path, rollout):
+    from test_cli import run
+
+    masks = tmp_path / "m.safetensors"
+    result = run("capture", rollout, "-o", masks)
+    assert result.exit_code == 0, result.output
+    return str(masks)

@@ -77,10 +77,6 @@ def assert_clean(folder, *absent):
     assert leftovers == [], leftovers
 
 
-@pytest.fixture
-def rollout(tmp_path):
-    return write(tmp_path / "rollout.safetensors", rollout_tensors())
-
 
 # ---- help, version, info ------------------------------------------------------------------------
 @pytest.mark.parametrize("cmd", [[], ["capture"], ["score"], ["inspect"], ["demo"], ["info"]])
@@ -405,14 +401,6 @@ def test_failed_write_leaves_no_partial_file(tmp_path, rollout, monkeypatch):
     assert_one_line_error(result, "No space left on device", str(out))
     assert_clean(tmp_path, "m.safetensors")
 
-
-@pytest.fixture
-def captured(tmp_path, rollout):
-    if not _ops_available():
-        pytest.skip("capture/replay ops not built in this tree")
-    masks = tmp_path / "m.safetensors"
-    assert run("capture", rollout, "-o", masks).exit_code == 0
-    return masks
 
 
 def test_score_row_count_mismatch(tmp_path, captured):

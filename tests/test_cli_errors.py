@@ -14,16 +14,6 @@ import torch
 from test_cli import N, assert_clean, assert_one_line_error, needs_ops, rollout_tensors, run, write
 
 
-@pytest.fixture
-def rollout(tmp_path):
-    return write(tmp_path / "rollout.safetensors", rollout_tensors())
-
-
-@pytest.fixture
-def captured(tmp_path, rollout):
-    masks = tmp_path / "m.safetensors"
-    assert run("capture", rollout, "-o", masks).exit_code == 0
-    return str(masks)
 
 
 @pytest.fixture

@@ -314,15 +314,21 @@ def _ref_vllm(x, k, p, mp):
         kth = torch.sort(x[keep], descending=True).values[min(k, int(keep.sum())) - 1]
         keep &= x >= kth
     if p is not None:
-        q = torch.softmax(torch.where(keep, x, -INF), 0)
-        asc = torch.argsort(torch.where(keep, x, -INF))[-int(keep.sum()):]
-        cum = torch.cumsum(q[asc], 0)
-        drop = cum <= 1 - p
-        drop[-1] = False
-        if len(cum) > 1:
-            margins.append(float((cum[:-1] - (1 - p)).abs().min()))
-        keep[asc[drop]] = False
+        _cut_top_p_ascending(x, keep, p, margins)
     return keep, min(margins)
+
+
+def _cut_top_p_ascending(x, keep, p, margins):
+    """vLLM's and transformers' top-p on the survivors, in float64: renormalise, sort ascending,
+    drop while the cumulative mass is <= 1 - p (never the largest); records the closest margin."""
+    q = torch.softmax(torch.where(keep, x, -INF), 0)
+    asc = torch.argsort(torch.where(keep, x, -INF))[-int(keep.sum()):]
+    cum = torch.cumsum(q[asc], 0)
+    drop = cum <= 1 - p
+    drop[-1] = False
+    if len(cum) > 1:
+        margins.append(float((cum[:-1] - (1 - p)).abs().min()))
+    keep[asc[drop]] = False
 
 
 def _ref_sglang(x, k, p, mp):
@@ -353,14 +359,7 @@ def _ref_hf(x, k, p, mp):
     if k:
         keep &= x >= torch.sort(x, descending=True).values[min(k, x.numel()) - 1]
     if p is not None and p < 1:
-        q = torch.softmax(torch.where(keep, x, -INF), 0)
-        asc = torch.argsort(torch.where(keep, x, -INF))[-int(keep.sum()):]
-        cum = torch.cumsum(q[asc], 0)
-        drop = cum <= 1 - p
-        drop[-1] = False
-        if len(cum) > 1:
-            margins.append(float((cum[:-1] - (1 - p)).abs().min()))
-        keep[asc[drop]] = False
+        _cut_top_p_ascending(x, keep, p, margins)
     if mp:
         q = torch.softmax(torch.where(keep, x, -INF), 0)
         keep &= q >= mp * q.max()
