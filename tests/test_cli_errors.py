@@ -254,7 +254,11 @@ def test_ctrl_c_during_start_up_is_one_line_130(entry):
         pytest.skip("console script not installed in this environment")
     cmd = [script, "info"] if entry == "script" else [sys.executable, "-m", "mask_replay", "info"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    # A job started in the background by a non-interactive shell (CI runners, `cmd &`) inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler: restore the default,
+    # as an interactive terminal has it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(0.3)  # start-up (importing torch) takes seconds
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
