@@ -100,6 +100,10 @@ def replay_logprobs(
     input; ``logits.dtype`` rounds the result to the logits' own dtype (e.g. bfloat16).
     """
     # Decided from arguments only (no look at the values): torch.compile traces either path whole.
+    # A non-tensor is named here: the dispatch below and replay_layout call logits.dim() before
+    # _rows_of can name it (an AttributeError otherwise).
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a tensor of shape [N, V] or [B, T, V], got {type(logits).__name__}")
     if logits.dim() == 3 or cu_seqlens is not None or loss_mask is not None:
         return replay_layout(logits, mask, sampled, temperature, ignore_index=ignore_index, loss_mask=loss_mask,
                              cu_seqlens=cu_seqlens, fallback=fallback, return_status=return_status,
@@ -143,8 +147,8 @@ def replay_logprobs_from_hidden(
     if sparse_grad:
         return replay_from_hidden_sparse(hidden, weight, mask, sampled, temperature, bias, fallback=fallback,
                                          return_status=return_status, out_dtype=out_dtype)
+    n = _rows_of(hidden, "hidden", "[N, d]")  # first: output_dtype reads hidden.dtype
     out = output_dtype(out_dtype, hidden.dtype, "replay_logprobs_from_hidden")
-    n = _rows_of(hidden, "hidden", "[N, d]")
     _rows_of(weight, "weight", "[V, d]")
     ids, offsets = _mask_tensors(mask, hidden.device)
     y = _sampled(sampled, mask, n, hidden.device)

@@ -110,3 +110,14 @@ def test_smallest_float32_temperatures_still_work():
     m = mask_replay.capture(z, temperature=t)  # greedy in effect, but not silently T = 0
     assert m.num_rows == 3
     assert mask_replay.capture(z, temperature=0.0).lengths().tolist() == [1, 1, 1]
+
+
+def test_non_tensor_logits_or_hidden_name_the_argument():
+    """Regression: the layout dispatch (logits.dim()) and out_dtype (hidden.dtype) ran before the
+    argument checks, so a list gave an AttributeError instead of naming the argument."""
+    _, m, y = small()
+    for kwargs in ({}, {"loss_mask": torch.ones(3)}, {"cu_seqlens": torch.tensor([0, 3])}):
+        with pytest.raises(TypeError, match=r"logits must be a tensor of shape \[N, V\] or \[B, T, V\], got list"):
+            mask_replay.replay_logprobs([[0.0] * 10] * 3, m, y, **kwargs)
+    with pytest.raises(TypeError, match="hidden must be a tensor of shape \\[N, d\\], got list"):
+        mask_replay.replay_logprobs_from_hidden([[0.0] * 4] * 3, torch.randn(10, 4), m, y)
