@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from mask_replay.mask import SamplingMask
+from mask_replay.params import is_number
 
 
 def csr(mask: SamplingMask, n: int, vocab: int, device, op: str):
@@ -60,7 +61,7 @@ def row_temperature(temperature, n: int, device, op: str) -> torch.Tensor:
         if t.dim() != 1 or t.shape[0] != n:
             raise ValueError(f"{op}: temperature must be a scalar or a tensor of shape [{n}], got {tuple(t.shape)}")
         t = t.to(device=device, dtype=torch.float32)
-    elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    elif not is_number(temperature):  # numpy scalars too, as replay's dense path (params.py) takes them
         raise TypeError(f"{op}: temperature must be a number or a tensor, got {type(temperature).__name__}")
     else:
         t = torch.full((n,), float(temperature), dtype=torch.float32, device=device)

@@ -121,3 +121,19 @@ def test_non_tensor_logits_or_hidden_name_the_argument():
             mask_replay.replay_logprobs([[0.0] * 10] * 3, m, y, **kwargs)
     with pytest.raises(TypeError, match="hidden must be a tensor of shape \\[N, d\\], got list"):
         mask_replay.replay_logprobs_from_hidden([[0.0] * 4] * 3, torch.randn(10, 4), m, y)
+
+
+def test_numpy_temperatures_in_trainer_layouts_and_the_sparse_head():
+    """Regression: the [B, T, V] / packed layouts and the sparse-gradient head had their own scalar
+    check (int/float only) and refused the numpy temperatures the [N, V] path takes."""
+    z, m, y = small()
+    want = mask_replay.replay_logprobs(z, m, y, 0.5)
+    for t in (np.float32(0.5), np.float64(0.5)):
+        assert torch.equal(mask_replay.replay_logprobs(z[None], m, y[None], t)[0], want)
+        assert torch.equal(mask_replay.replay_logprobs(z, m, y, t, cu_seqlens=torch.tensor([0, 3])), want)
+    h, w = torch.randn(3, 4), torch.randn(10, 4)
+    dense = mask_replay.replay_logprobs_from_hidden(h, w, m, y, 2.0)
+    sparse = mask_replay.replay_logprobs_from_hidden(h, w, m, y, np.int64(2), sparse_grad=True)
+    torch.testing.assert_close(sparse, dense)
+    with pytest.raises(TypeError, match="temperature must be a number or a tensor, got bool"):
+        mask_replay.replay_logprobs(z[None], m, y[None], np.bool_(True))
