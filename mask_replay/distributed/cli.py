@@ -3,7 +3,8 @@ merges and writes exactly what one process would have written.
 
 capture: rank r captures rows share(N, P, r) of the concatenated inputs (mask_replay.capture_dumps
 with rows=...), rank 0 gathers the per-rank masks in rank order, concatenates them and writes the
-single mask file asked for, byte for byte the file a single process writes.
+single mask file asked for, with the tensors and metadata a single process writes (not its bytes:
+the streamed single-process file keeps spare header room, padded with spaces).
 score: rank r computes the per-token log-probs (replay and full vocabulary) of its rows; rank 0
 gathers them in global row order and builds the report with the single-process code, so no digit
 depends on the number of ranks. The JSON's `run` section (world size, rows per rank) is the only
