@@ -218,3 +218,24 @@ def test_empty_share_of_a_dump_with_engine_logprobs_merges_into_the_single_captu
     single = mask_replay.SamplingMask.load(str(tmp_path / "one.safetensors"))
     assert "logprob_mismatch" in single.extras
     assert merged == single
+
+
+def test_score_of_an_engine_mask_does_not_depend_on_ranks(tmp_path):
+    """An engine mask (convert from vLLM JSON): no kept_mass, so each rank computes it on its
+    training rows and rank 0 gathers it with the log-probs (combine); an unsampled row (empty
+    support) is left out. The report equals one process's, every float."""
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "vllm_generate.json")
+    os.chdir(tmp_path)
+    run_cli("convert", fixture, "-o", "engine.safetensors", "--from", "vllm-json", "--temperature", "0.7")
+    mask = mask_replay.SamplingMask.load("engine.safetensors")
+    assert mask.kept_mass is None and int((mask.lengths() == 0).sum()) == 1
+    g = torch.Generator().manual_seed(11)
+    save_file({"logits": 2 * torch.randn(mask.num_rows, 16, generator=g)}, "train.safetensors")
+    args = ["score", "--masks", "engine.safetensors", "--training", "train.safetensors", "--chunk-rows", "2"]
+    single = run_cli(*args, "--json", "one.json")
+    assert "1 row with an empty support" in single.stderr
+    proc = torchrun(2, "-m", "mask_replay", *args, "--json", "two.json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two, one = json.loads((tmp_path / "two.json").read_text()), json.loads((tmp_path / "one.json").read_text())
+    assert two.pop("run") == {"world_size": 2, "rows_per_rank": [3, 3]}
+    assert two == one and one["tokens"] == mask.num_rows - 1 and one["kept_mass_mean"] > 0
