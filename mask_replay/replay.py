@@ -50,6 +50,9 @@ def _sampled(sampled: Optional[torch.Tensor], mask: Optional[SamplingMask], n: i
         if mask is None or mask.sampled is None:
             raise ValueError("sampled is required (the mask carries no sampled tokens)")
         sampled = mask.sampled
+        if sampled.dim() == 1 and sampled.shape[0] != n:  # the caller passed no sampled: the mask is the misfit
+            raise ValueError(f"the mask has {mask.num_rows} rows but there are {n} rows of logits "
+                             f"(sampled defaults to mask.sampled)")
     if not isinstance(sampled, torch.Tensor) or sampled.dim() != 1 or sampled.shape[0] != n:
         shape = tuple(sampled.shape) if isinstance(sampled, torch.Tensor) else type(sampled).__name__
         raise ValueError(f"sampled must be a tensor of shape [{n}], got {shape}")

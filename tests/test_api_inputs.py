@@ -137,3 +137,14 @@ def test_numpy_temperatures_in_trainer_layouts_and_the_sparse_head():
     torch.testing.assert_close(sparse, dense)
     with pytest.raises(TypeError, match="temperature must be a number or a tensor, got bool"):
         mask_replay.replay_logprobs(z[None], m, y[None], np.bool_(True))
+
+
+def test_mask_with_other_rows_is_named_when_sampled_comes_from_it():
+    """sampled=None takes mask.sampled: a mask of another row count is the mask's fault, not a
+    'sampled' the caller never passed."""
+    z, _, _ = small()
+    m = SamplingMask.from_lists([[1], [2]], sampled=torch.tensor([1, 2]))
+    for call in (lambda: mask_replay.replay_logprobs(z, m),
+                 lambda: mask_replay.replay_logprobs_from_hidden(torch.randn(3, 4), torch.randn(10, 4), m)):
+        with pytest.raises(ValueError, match=r"the mask has 2 rows but there are 3 rows of logits"):
+            call()
