@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from mask_replay.mask import SamplingMask
-from mask_replay.params import is_number
+from mask_replay.params import check_numeric_tensor, is_number
 
 
 def csr(mask: SamplingMask, n: int, vocab: int, device, op: str):
@@ -55,6 +55,7 @@ def csr(mask: SamplingMask, n: int, vocab: int, device, op: str):
 def row_temperature(temperature, n: int, device, op: str) -> torch.Tensor:
     """Per-row float32 [n] temperature, every value finite and > 0 (the error names the row)."""
     if isinstance(temperature, torch.Tensor):
+        check_numeric_tensor(f"{op}: temperature", temperature)  # as replay's [N, V] path (params.py)
         t = temperature.detach()
         if t.dim() == 0:
             t = t.reshape(1).expand(n)

@@ -148,3 +148,19 @@ def test_mask_with_other_rows_is_named_when_sampled_comes_from_it():
                  lambda: mask_replay.replay_logprobs_from_hidden(torch.randn(3, 4), torch.randn(10, 4), m)):
         with pytest.raises(ValueError, match=r"the mask has 2 rows but there are 3 rows of logits"):
             call()
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64])
+def test_bool_or_complex_temperature_tensors_are_refused_on_every_path(dtype):
+    """Regression: the packed layout, the sparse-gradient head and the support statistics cast a
+    bool (or complex) temperature tensor to float, where the [N, V] path refuses it."""
+    z, m, y = small()
+    t = torch.ones(3, dtype=dtype)
+    h, w = torch.randn(3, 4), torch.randn(10, 4)
+    for call in (lambda: mask_replay.replay_logprobs(z, m, y, t),
+                 lambda: mask_replay.replay_logprobs(z, m, y, t, cu_seqlens=torch.tensor([0, 3])),
+                 lambda: mask_replay.replay_logprobs(z[None], m, y[None], t[None]),
+                 lambda: mask_replay.replay_logprobs_from_hidden(h, w, m, y, t, sparse_grad=True),
+                 lambda: mask_replay.support_entropy(z, m, t)):
+        with pytest.raises(ValueError, match=f"temperature: expected a number or a tensor of numbers, got a {dtype}"):
+            call()
