@@ -51,7 +51,7 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
     from mask_replay.distributed import cli as dist_cli, launch, resume as resumed
     flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     if resume and resumed.capture_complete(list(rollout), output, flags=flags, explicit=explicit, outside=outside,
-                                          profile=profile):
+                                          profile=profile, logprob_tolerance=logprob_tol):
         return
     capture_fn = dist_cli.capture_under_torchrun if launch.under_torchrun() else capture_dumps
     summary = capture_fn(
