@@ -45,6 +45,8 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
     if output == "-":
         raise CliError("-o -: standard output is for score's --json; name a mask file")
     check_sampling_flags(temperature, top_k, top_p, min_p)
+    if logprob_tol != logprob_tol:  # click's FloatRange lets NaN through (every comparison is False)
+        raise CliError(f"--logprob-tol {logprob_tol}: must be a number >= 0")
     check_device(device)
     explicit = frozenset(p for p in PARAMS if ctx.get_parameter_source(p) in
                          (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
