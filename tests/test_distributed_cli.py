@@ -183,7 +183,7 @@ def _rollout_with_engine_logprobs(path, n, seed, engine_shift):
               str(path))
 
 
-def test_capture_with_engine_logprobs_and_profile_does_not_depend_on_ranks(tmp_path):
+def test_capture_with_engine_logprobs_and_profile_does_not_depend_on_ranks(tmp_path, monkeypatch):
     """The log-prob mismatch report (metadata) and stderr warning cover every rank's rows, with
     global row numbers, as one process writes them; the per-row codes merge too. Regression: rank 0
     wrote its own share's report (its rows only) and no warning was printed."""
@@ -191,7 +191,7 @@ def test_capture_with_engine_logprobs_and_profile_does_not_depend_on_ranks(tmp_p
     shift[25] = 2.0  # the worst row is in rank 1's share
     _rollout_with_engine_logprobs(tmp_path / "lp.safetensors", 30, 3, shift)
     args = ["capture", "lp.safetensors", "-o", "{}", "--profile", "vllm", "--chunk-rows", "4"]
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # restored after the test: the module's other tests run in `data`
     single = run_cli(*[a.format("one.safetensors") for a in args])
     proc = torchrun(2, "-m", "mask_replay", *[a.format("two.safetensors") for a in args], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -220,12 +220,12 @@ def test_empty_share_of_a_dump_with_engine_logprobs_merges_into_the_single_captu
     assert merged == single
 
 
-def test_score_of_an_engine_mask_does_not_depend_on_ranks(tmp_path):
+def test_score_of_an_engine_mask_does_not_depend_on_ranks(tmp_path, monkeypatch):
     """An engine mask (convert from vLLM JSON): no kept_mass, so each rank computes it on its
     training rows and rank 0 gathers it with the log-probs (combine); an unsampled row (empty
     support) is left out. The report equals one process's, every float."""
     fixture = os.path.join(os.path.dirname(__file__), "fixtures", "vllm_generate.json")
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # restored after the test: the module's other tests run in `data`
     run_cli("convert", fixture, "-o", "engine.safetensors", "--from", "vllm-json", "--temperature", "0.7")
     mask = mask_replay.SamplingMask.load("engine.safetensors")
     assert mask.kept_mass is None and int((mask.lengths() == 0).sum()) == 1
