@@ -45,13 +45,15 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
     if output == "-":
         raise CliError("-o -: standard output is for score's --json; name a mask file")
     check_sampling_flags(temperature, top_k, top_p, min_p)
+    if logprob_tol != logprob_tol:  # click's FloatRange lets NaN through (every comparison is False)
+        raise CliError(f"--logprob-tol {logprob_tol}: must be a number >= 0")
     check_device(device)
     explicit = frozenset(p for p in PARAMS if ctx.get_parameter_source(p) in
                          (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
     from mask_replay.distributed import cli as dist_cli, launch, resume as resumed
     flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     if resume and resumed.capture_complete(list(rollout), output, flags=flags, explicit=explicit, outside=outside,
-                                          profile=profile):
+                                          profile=profile, logprob_tolerance=logprob_tol):
         return
     capture_fn = dist_cli.capture_under_torchrun if launch.under_torchrun() else capture_dumps
     summary = capture_fn(

@@ -170,7 +170,7 @@ def capture_dumps(
         engine_lps, capture_lps = torch.zeros(count), torch.zeros(count)
         with (atomic_file(out) if out is not None else contextlib.nullcontext()) as f:
             sink = MaskSink(f, count, vocab, carried, outside, metadata, compare) if out is not None \
-                else MemorySink(carried, outside, metadata)
+                else MemorySink(carried, outside, metadata, compare)
             # closed (and cleared) on errors too, so an error line never lands after a half-drawn bar
             with tqdm(total=count, unit="rows", desc="capture", disable=not progress or None, leave=False) as bar:
                 row, first = 0, 0  # row: written so far; first: global row of the file's row 0
@@ -258,14 +258,15 @@ class MemorySink:
     """One rank's share under torchrun (mask_replay.distributed): the chunks' masks kept in memory
     and concatenated, for rank 0 to gather and write."""
 
-    def __init__(self, carried, outside: str, metadata: dict):
+    def __init__(self, carried, outside: str, metadata: dict, compare: bool = False):
         self.carried, self.outside, self.metadata, self.parts = carried, outside, metadata, []
+        self.compare = compare
 
     def write(self, row0: int, m, extras: dict) -> None:
         self.parts.append((m, extras))
 
     def finish(self, flagged, codes, mismatch):
-        mask = _concat(self.parts, self.carried, self.outside)
+        mask = _concat(self.parts, self.carried, self.outside, self.compare)
         mask.metadata = dict(self.metadata)
         if mismatch is not None:
             mask.metadata["logprob_mismatch"] = mismatch
@@ -278,7 +279,7 @@ def _json(value) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def _concat(parts, carried, outside):
+def _concat(parts, carried, outside, compare=False):
     from mask_replay.mask import SamplingMask
 
     masks = []
@@ -292,6 +293,8 @@ def _concat(parts, carried, outside):
         mask.kept_mass = torch.zeros(0)
         mask.extras = {"temperature": torch.zeros(0), "capture_logprobs": torch.zeros(0)}
         mask.extras.update({k: torch.zeros(0, dtype=torch.int64) for k in carried})
+        if compare:  # MaskSink writes this column whenever some dump has rollout_logprobs, rows or not
+            mask.extras["logprob_mismatch"] = torch.zeros(0, dtype=torch.int8)
     if outside == "error" or not bool(mask.extras.get("outside_support", torch.zeros(0, dtype=torch.bool)).any()):
         mask.extras.pop("outside_support", None)  # only written when some row was flagged
     return mask

@@ -18,6 +18,7 @@ import torch
 
 from mask_replay._ext import ops
 from mask_replay.mask import SamplingMask
+from mask_replay.params import check_numeric_tensor, is_number
 from mask_replay.segments import output_dtype
 
 IGNORED = -1  # status of a position without a mask row (replay's own codes are 0, 1, 2)
@@ -125,9 +126,10 @@ def _position_temperature(temperature, shape, cu: Optional[torch.Tensor], device
     """float32 per position (same shape as the labels) from a scalar, a per-sequence tensor
     ([B], or [S] with cu_seqlens) or a per-position tensor."""
     if not isinstance(temperature, torch.Tensor):
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        if not is_number(temperature):  # numpy scalars too, as the [N, V] path (params.py) takes them
             raise TypeError(f"temperature must be a number or a tensor, got {type(temperature).__name__}")
         return torch.full(shape, float(temperature), dtype=torch.float32, device=device)
+    check_numeric_tensor("temperature", temperature)  # as the [N, V] path refuses them (params.py)
     t = temperature.detach().to(device=device, dtype=torch.float32)
     if t.dim() == 0:
         return t.expand(shape)

@@ -56,12 +56,18 @@ def _check_float32(name: str, value, dtype: torch.dtype, converted: Optional[tor
             raise ValueError(f"{name} {float(value):g} {problem} in float32")
 
 
+def check_numeric_tensor(name: str, value: torch.Tensor) -> None:
+    """A bool or complex tensor is no parameter (True would silently become 1.0): one message for
+    every path that takes per-row parameters (here, layouts.py, segments.py)."""
+    if value.dtype == torch.bool or value.is_complex():
+        raise ValueError(f"{name}: expected a number or a tensor of numbers, got a {value.dtype} tensor")
+
+
 def _per_row(value, n: int, dtype, device, name: str, off) -> torch.Tensor:
     if value is None:
         return torch.full((n,), off, dtype=dtype, device=device)
     if isinstance(value, torch.Tensor):
-        if value.dtype == torch.bool or value.is_complex():
-            raise ValueError(f"{name}: expected a number or a tensor of numbers, got a {value.dtype} tensor")
+        check_numeric_tensor(name, value)
         if value.dim() == 0:
             value = value.reshape(1).expand(n)
         if value.dim() != 1 or value.numel() != n:

@@ -50,6 +50,9 @@ def _sampled(sampled: Optional[torch.Tensor], mask: Optional[SamplingMask], n: i
         if mask is None or mask.sampled is None:
             raise ValueError("sampled is required (the mask carries no sampled tokens)")
         sampled = mask.sampled
+        if sampled.dim() == 1 and sampled.shape[0] != n:  # the caller passed no sampled: the mask is the misfit
+            raise ValueError(f"the mask has {mask.num_rows} rows but there are {n} rows of logits "
+                             f"(sampled defaults to mask.sampled)")
     if not isinstance(sampled, torch.Tensor) or sampled.dim() != 1 or sampled.shape[0] != n:
         shape = tuple(sampled.shape) if isinstance(sampled, torch.Tensor) else type(sampled).__name__
         raise ValueError(f"sampled must be a tensor of shape [{n}], got {shape}")
@@ -100,6 +103,10 @@ def replay_logprobs(
     input; ``logits.dtype`` rounds the result to the logits' own dtype (e.g. bfloat16).
     """
     # Decided from arguments only (no look at the values): torch.compile traces either path whole.
+    # A non-tensor is named here: the dispatch below and replay_layout call logits.dim() before
+    # _rows_of can name it (an AttributeError otherwise).
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a tensor of shape [N, V] or [B, T, V], got {type(logits).__name__}")
     if logits.dim() == 3 or cu_seqlens is not None or loss_mask is not None:
         return replay_layout(logits, mask, sampled, temperature, ignore_index=ignore_index, loss_mask=loss_mask,
                              cu_seqlens=cu_seqlens, fallback=fallback, return_status=return_status,
@@ -143,8 +150,8 @@ def replay_logprobs_from_hidden(
     if sparse_grad:
         return replay_from_hidden_sparse(hidden, weight, mask, sampled, temperature, bias, fallback=fallback,
                                          return_status=return_status, out_dtype=out_dtype)
+    n = _rows_of(hidden, "hidden", "[N, d]")  # first: output_dtype reads hidden.dtype
     out = output_dtype(out_dtype, hidden.dtype, "replay_logprobs_from_hidden")
-    n = _rows_of(hidden, "hidden", "[N, d]")
     _rows_of(weight, "weight", "[V, d]")
     ids, offsets = _mask_tensors(mask, hidden.device)
     y = _sampled(sampled, mask, n, hidden.device)

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from mask_replay.mask import SamplingMask
+from mask_replay.params import check_numeric_tensor, is_number
 
 
 def csr(mask: SamplingMask, n: int, vocab: int, device, op: str):
@@ -54,13 +55,14 @@ def csr(mask: SamplingMask, n: int, vocab: int, device, op: str):
 def row_temperature(temperature, n: int, device, op: str) -> torch.Tensor:
     """Per-row float32 [n] temperature, every value finite and > 0 (the error names the row)."""
     if isinstance(temperature, torch.Tensor):
+        check_numeric_tensor(f"{op}: temperature", temperature)  # as replay's [N, V] path (params.py)
         t = temperature.detach()
         if t.dim() == 0:
             t = t.reshape(1).expand(n)
         if t.dim() != 1 or t.shape[0] != n:
             raise ValueError(f"{op}: temperature must be a scalar or a tensor of shape [{n}], got {tuple(t.shape)}")
         t = t.to(device=device, dtype=torch.float32)
-    elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    elif not is_number(temperature):  # numpy scalars too, as replay's dense path (params.py) takes them
         raise TypeError(f"{op}: temperature must be a number or a tensor, got {type(temperature).__name__}")
     else:
         t = torch.full((n,), float(temperature), dtype=torch.float32, device=device)

@@ -4,6 +4,7 @@ import array
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -472,6 +473,23 @@ def test_convert_errors_are_one_line_and_write_nothing(tmp_path):
     assert_one_line_error(run("convert", mask_path, "-o", mask_path, "--from", "mask", "--to", "padded"),
                           "would overwrite the input")
     assert open(mask_path, "rb").read() == before
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--temperature", "1e39", "temperature 1e+39 overflows in float32"),
+    ("--temperature", "1e-46", "temperature 1e-46 rounds to 0 in float32"),
+    ("--step", str(2 ** 70), f"step {2 ** 70} does not fit in a 64-bit integer"),
+])
+def test_convert_values_a_mask_cannot_hold_are_one_line_errors(tmp_path, flag, value, needle):
+    """Regression: 1e39 and 2**70 were tracebacks from torch.full, and 1e-46 silently became a
+    temperature of 0 (greedy) in the float32 column."""
+    out = tmp_path / "o.safetensors"
+    result = run("convert", os.path.join(FIXTURES, "vllm_generate.json"), "-o", out, "--from", "vllm-json", flag, value)
+    assert_one_line_error(result, needle)
+    assert_clean(tmp_path, "o.safetensors")
+    with pytest.raises(EngineOutputError, match=re.escape(needle)):
+        SamplingMask.from_vllm(fixture("vllm_generate.json"), **{flag[2:]: float(value) if flag == "--temperature"
+                                                                  else int(value)})
 
 
 # ---- convert -> score, without rollout logits ---------------------------------------------------

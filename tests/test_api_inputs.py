@@ -110,3 +110,57 @@ def test_smallest_float32_temperatures_still_work():
     m = mask_replay.capture(z, temperature=t)  # greedy in effect, but not silently T = 0
     assert m.num_rows == 3
     assert mask_replay.capture(z, temperature=0.0).lengths().tolist() == [1, 1, 1]
+
+
+def test_non_tensor_logits_or_hidden_name_the_argument():
+    """Regression: the layout dispatch (logits.dim()) and out_dtype (hidden.dtype) ran before the
+    argument checks, so a list gave an AttributeError instead of naming the argument."""
+    _, m, y = small()
+    for kwargs in ({}, {"loss_mask": torch.ones(3)}, {"cu_seqlens": torch.tensor([0, 3])}):
+        with pytest.raises(TypeError, match=r"logits must be a tensor of shape \[N, V\] or \[B, T, V\], got list"):
+            mask_replay.replay_logprobs([[0.0] * 10] * 3, m, y, **kwargs)
+    with pytest.raises(TypeError, match="hidden must be a tensor of shape \\[N, d\\], got list"):
+        mask_replay.replay_logprobs_from_hidden([[0.0] * 4] * 3, torch.randn(10, 4), m, y)
+
+
+def test_numpy_temperatures_in_trainer_layouts_and_the_sparse_head():
+    """Regression: the [B, T, V] / packed layouts and the sparse-gradient head had their own scalar
+    check (int/float only) and refused the numpy temperatures the [N, V] path takes."""
+    z, m, y = small()
+    want = mask_replay.replay_logprobs(z, m, y, 0.5)
+    for t in (np.float32(0.5), np.float64(0.5)):
+        assert torch.equal(mask_replay.replay_logprobs(z[None], m, y[None], t)[0], want)
+        assert torch.equal(mask_replay.replay_logprobs(z, m, y, t, cu_seqlens=torch.tensor([0, 3])), want)
+    h, w = torch.randn(3, 4), torch.randn(10, 4)
+    dense = mask_replay.replay_logprobs_from_hidden(h, w, m, y, 2.0)
+    sparse = mask_replay.replay_logprobs_from_hidden(h, w, m, y, np.int64(2), sparse_grad=True)
+    torch.testing.assert_close(sparse, dense)
+    with pytest.raises(TypeError, match="temperature must be a number or a tensor, got bool"):
+        mask_replay.replay_logprobs(z[None], m, y[None], np.bool_(True))
+
+
+def test_mask_with_other_rows_is_named_when_sampled_comes_from_it():
+    """sampled=None takes mask.sampled: a mask of another row count is the mask's fault, not a
+    'sampled' the caller never passed."""
+    z, _, _ = small()
+    m = SamplingMask.from_lists([[1], [2]], sampled=torch.tensor([1, 2]))
+    for call in (lambda: mask_replay.replay_logprobs(z, m),
+                 lambda: mask_replay.replay_logprobs_from_hidden(torch.randn(3, 4), torch.randn(10, 4), m)):
+        with pytest.raises(ValueError, match=r"the mask has 2 rows but there are 3 rows of logits"):
+            call()
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64])
+def test_bool_or_complex_temperature_tensors_are_refused_on_every_path(dtype):
+    """Regression: the packed layout, the sparse-gradient head and the support statistics cast a
+    bool (or complex) temperature tensor to float, where the [N, V] path refuses it."""
+    z, m, y = small()
+    t = torch.ones(3, dtype=dtype)
+    h, w = torch.randn(3, 4), torch.randn(10, 4)
+    for call in (lambda: mask_replay.replay_logprobs(z, m, y, t),
+                 lambda: mask_replay.replay_logprobs(z, m, y, t, cu_seqlens=torch.tensor([0, 3])),
+                 lambda: mask_replay.replay_logprobs(z[None], m, y[None], t[None]),
+                 lambda: mask_replay.replay_logprobs_from_hidden(h, w, m, y, t, sparse_grad=True),
+                 lambda: mask_replay.support_entropy(z, m, t)):
+        with pytest.raises(ValueError, match=f"temperature: expected a number or a tensor of numbers, got a {dtype}"):
+            call()

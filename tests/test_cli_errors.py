@@ -53,6 +53,7 @@ def rewrite_mask(path, out, **changes):
     ("--top-p", "1.5", "--top-p 1.5"),
     ("--min-p", "nan", "--min-p nan: must be in [0, 1]"),
     ("--min-p", "-0.1", "--min-p -0.1"),
+    ("--logprob-tol", "nan", "--logprob-tol nan: must be a number >= 0"),  # was a traceback mid-capture
 ])
 def test_capture_flags_checked_first(tmp_path, flag, value, needle):
     # the dump does not exist: the flag must be blamed, before any file is opened

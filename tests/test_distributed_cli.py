@@ -171,3 +171,71 @@ def test_shares_merge_into_the_single_capture(data):
     merged = merge_masks(parts, "flag")
     single = mask_replay.SamplingMask.load(str(data / "masks1.safetensors"))
     assert merged == single and merged.file_metadata() == single.file_metadata()
+
+
+def _rollout_with_engine_logprobs(path, n, seed, engine_shift):
+    """A dump with rollout_logprobs: rows whose engine log-prob is off by `engine_shift[i]` nats."""
+    g = torch.Generator().manual_seed(seed)
+    z = 3 * torch.randn(n, V, generator=g)
+    sampled = torch.argmax(z, 1)
+    lp = torch.log_softmax(z, 1).gather(1, sampled[:, None])[:, 0]  # unprocessed: differs under top-p
+    save_file({"logits": z, "sampled": sampled, "top_p": torch.tensor(0.9), "rollout_logprobs": lp + engine_shift},
+              str(path))
+
+
+def test_capture_with_engine_logprobs_and_profile_does_not_depend_on_ranks(tmp_path, monkeypatch):
+    """The log-prob mismatch report (metadata) and stderr warning cover every rank's rows, with
+    global row numbers, as one process writes them; the per-row codes merge too. Regression: rank 0
+    wrote its own share's report (its rows only) and no warning was printed."""
+    shift = torch.zeros(30)
+    shift[25] = 2.0  # the worst row is in rank 1's share
+    _rollout_with_engine_logprobs(tmp_path / "lp.safetensors", 30, 3, shift)
+    args = ["capture", "lp.safetensors", "-o", "{}", "--profile", "vllm", "--chunk-rows", "4"]
+    monkeypatch.chdir(tmp_path)  # restored after the test: the module's other tests run in `data`
+    single = run_cli(*[a.format("one.safetensors") for a in args])
+    proc = torchrun(2, "-m", "mask_replay", *[a.format("two.safetensors") for a in args], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got, got_meta = _mask_file(tmp_path / "two.safetensors")
+    want, want_meta = _mask_file(tmp_path / "one.safetensors")
+    assert got.keys() == want.keys() and "logprob_mismatch" in want
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    report = json.loads(want_meta["logprob_mismatch"])
+    assert report["rows_compared"] == 30 and report["worst_row"] == 25
+    assert got_meta == want_meta
+    warning = [ln for ln in single.stderr.splitlines() if "warning" in ln]
+    assert warning and "worst row 25" in warning[0]
+    assert "worst row 25" in proc.stderr
+
+
+def test_empty_share_of_a_dump_with_engine_logprobs_merges_into_the_single_capture(tmp_path):
+    """A dump of 0 rows with rollout_logprobs: the in-memory share (torchrun) carries the empty
+    logprob_mismatch column the streamed file has. Regression: it was missing from the merged file."""
+    _rollout_with_engine_logprobs(tmp_path / "empty.safetensors", 0, 4, torch.zeros(0))
+    path = str(tmp_path / "empty.safetensors")
+    capture_dumps([path], str(tmp_path / "one.safetensors"), profile="vllm", progress=False)
+    share_mask = capture_dumps([path], None, profile="vllm", rows=(0, 0), progress=False).mask
+    merged = merge_masks([share_mask, share_mask], "error")
+    single = mask_replay.SamplingMask.load(str(tmp_path / "one.safetensors"))
+    assert "logprob_mismatch" in single.extras
+    assert merged == single
+
+
+def test_score_of_an_engine_mask_does_not_depend_on_ranks(tmp_path, monkeypatch):
+    """An engine mask (convert from vLLM JSON): no kept_mass, so each rank computes it on its
+    training rows and rank 0 gathers it with the log-probs (combine); an unsampled row (empty
+    support) is left out. The report equals one process's, every float."""
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "vllm_generate.json")
+    monkeypatch.chdir(tmp_path)  # restored after the test: the module's other tests run in `data`
+    run_cli("convert", fixture, "-o", "engine.safetensors", "--from", "vllm-json", "--temperature", "0.7")
+    mask = mask_replay.SamplingMask.load("engine.safetensors")
+    assert mask.kept_mass is None and int((mask.lengths() == 0).sum()) == 1
+    g = torch.Generator().manual_seed(11)
+    save_file({"logits": 2 * torch.randn(mask.num_rows, 16, generator=g)}, "train.safetensors")
+    args = ["score", "--masks", "engine.safetensors", "--training", "train.safetensors", "--chunk-rows", "2"]
+    single = run_cli(*args, "--json", "one.json")
+    assert "1 row with an empty support" in single.stderr
+    proc = torchrun(2, "-m", "mask_replay", *args, "--json", "two.json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two, one = json.loads((tmp_path / "two.json").read_text()), json.loads((tmp_path / "one.json").read_text())
+    assert two.pop("run") == {"world_size": 2, "rows_per_rank": [3, 3]}
+    assert two == one and one["tokens"] == mask.num_rows - 1 and one["kept_mass_mean"] > 0

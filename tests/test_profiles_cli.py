@@ -115,3 +115,23 @@ def test_bad_profile_and_tolerance_are_one_line_errors(tmp_path):
         assert "Traceback" not in result.output
         assert args[0] in result.stderr
     assert not out.exists()
+
+
+def test_resume_recomputes_a_mismatch_report_made_with_another_tolerance(tmp_path):
+    """Regression: --resume compared inputs, parameters, --outside and the profile, but not
+    --logprob-tol, so a file whose per-row logprob_mismatch codes were made with another tolerance
+    was kept."""
+    from test_cli import rollout_tensors, run, write
+
+    t = rollout_tensors()
+    mask = mask_replay.capture(t["logits"], sampled=t["sampled"], top_p=t["top_p"])
+    t["rollout_logprobs"] = mask.logprobs + 1e-3  # off by 1e-3 nats: a mismatch at 1e-4, not at 1e-2
+    dump, out = write(tmp_path / "lp.safetensors", t), tmp_path / "m.safetensors"
+    args = ["capture", dump, "-o", out, "--resume"]
+    assert run(*args).exit_code == 0
+    assert set(SamplingMask.load(out).extras["logprob_mismatch"].tolist()) == {1}
+    assert "skipped" in run(*args).stderr  # same command: kept
+    again = run(*args, "--logprob-tol", "0.01")
+    assert again.exit_code == 0 and "skipped" not in again.stderr
+    assert set(SamplingMask.load(out).extras["logprob_mismatch"].tolist()) == {0}
+    assert "skipped" in run(*args, "--logprob-tol", "0.01").stderr

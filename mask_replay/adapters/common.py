@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from mask_replay.io import DumpError
+from mask_replay.params import _float32_problem
 
 INT32_LIMIT = 2**31
 
@@ -175,10 +176,17 @@ def row_extras(n: int, *, step=None, temperature=None) -> dict:
     if step is not None:
         if not _is_int(step):
             raise EngineOutputError(f"step must be an integer, got {step!r}")
+        if not -2 ** 63 <= int(step) < 2 ** 63:  # torch.full would raise a bare OverflowError
+            raise EngineOutputError(f"step {step} does not fit in a 64-bit integer")
         out["step"] = torch.full((n,), int(step), dtype=torch.int64)
     if temperature is not None:
         if not _is_real(temperature) or not (temperature >= 0 and math.isfinite(temperature)):
             raise EngineOutputError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        # stored as float32, like every temperature of a mask: 1e39 would overflow (an error
+        # deep in torch) and 1e-46 silently become 0, greedy (params.py names both for capture)
+        problem = _float32_problem(float(temperature))
+        if problem:
+            raise EngineOutputError(f"temperature {temperature!r} {problem} in float32")
         out["temperature"] = torch.full((n,), float(temperature), dtype=torch.float32)
     return out
 

@@ -3,7 +3,8 @@ merges and writes exactly what one process would have written.
 
 capture: rank r captures rows share(N, P, r) of the concatenated inputs (mask_replay.capture_dumps
 with rows=...), rank 0 gathers the per-rank masks in rank order, concatenates them and writes the
-single mask file asked for, byte for byte the file a single process writes.
+single mask file asked for, with the tensors and metadata a single process writes (not its bytes:
+the streamed single-process file keeps spare header room, padded with spaces).
 score: rank r computes the per-token log-probs (replay and full vocabulary) of its rows; rank 0
 gathers them in global row order and builds the report with the single-process code, so no digit
 depends on the number of ranks. The JSON's `run` section (world size, rows per rank) is the only
@@ -65,11 +66,27 @@ def capture_under_torchrun(paths, out, *, device="cpu", outside="error", progres
         if ranks.rank != 0:
             return None
         mask = merge_masks([p[0] for p in parts], outside)
+        # Each rank's summary covers its own rows only (row numbers relative to its share): the
+        # report of the whole run is recomputed from the merged per-row values, as one process does.
+        mismatch = _merged_mismatch(mask, capture_args.get("logprob_tolerance"))
+        if mismatch is not None:
+            mask.metadata["logprob_mismatch"] = mismatch
         mask.save(out)
         outside_rows = int(mask.extras["outside_support"].sum()) if "outside_support" in mask.extras else 0
         notes = summary.notes + [_ranks_note([p[0].num_rows for p in parts])]
         return CaptureSummary(mask.num_rows, mask.nnz, summary.vocab, mask.lengths(), sum(p[1] for p in parts),
-                              os.path.getsize(out), time.perf_counter() - t0, outside_rows, notes, mask)
+                              os.path.getsize(out), time.perf_counter() - t0, outside_rows, notes, mask, mismatch)
+
+
+def _merged_mismatch(mask, tolerance):
+    """capture_dumps' log-prob mismatch report over the merged mask (None when no dump had
+    rollout_logprobs): its inputs are the per-row codes, engine and capture log-probs."""
+    from mask_replay.profiles.mismatch import DEFAULT_TOLERANCE, summarise
+
+    if "logprob_mismatch" not in mask.extras:
+        return None
+    tol = DEFAULT_TOLERANCE if tolerance is None else tolerance
+    return summarise(mask.extras["logprob_mismatch"], mask.logprobs, mask.extras["capture_logprobs"], tol)
 
 
 def _ranks_note(rows) -> str:

@@ -3,8 +3,9 @@
 Outputs are written atomically (a temporary file renamed into place), so an output that exists
 was written whole; what remains to check is that it answers *this* command:
   capture: the mask file's metadata names the same input files (in order), the same parameter
-           sources and values, the same `--outside` and profile (semantics), and it has as many
-           rows as the inputs;
+           sources and values, the same `--outside` and profile (semantics), the same
+           `--logprob-tol` when it holds a log-prob mismatch report, and it has as many rows as
+           the inputs;
   score:   the JSON parses as a score report, and the plot exists when one is asked for.
 Anything else (missing, unreadable, made for other inputs) is recomputed and replaced.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Optional
 
 from mask_replay.io import DumpError
 
@@ -22,7 +24,8 @@ def _note(message: str) -> None:
         print(f"mask-replay: note: {message}", file=sys.stderr, flush=True)
 
 
-def capture_complete(paths, out, *, flags: dict, explicit, outside: str, profile: str = "exact") -> bool:
+def capture_complete(paths, out, *, flags: dict, explicit, outside: str, profile: str = "exact",
+                     logprob_tolerance: Optional[float] = None) -> bool:
     """True (and a note) when `out` is the complete mask file of this capture."""
     from mask_replay.capture_dumps import _param_source
     from mask_replay.dumps import PARAM_KEYS, Dump
@@ -41,12 +44,21 @@ def capture_complete(paths, out, *, flags: dict, explicit, outside: str, profile
         same = (json.loads(meta.get("sources", "null")) == [os.path.basename(p) for p in paths]
                 and json.loads(meta.get("params", "null")) == params
                 and meta.get("outside") == outside and meta.get("semantics") == semantics(profile)
-                and rows == total)
+                and rows == total
+                # the per-row log-prob mismatch codes depend on --logprob-tol: a report made with
+                # another tolerance is not this command's output
+                and (logprob_tolerance is None or "logprob_mismatch" not in meta
+                     or _report_tolerance(meta["logprob_mismatch"]) == logprob_tolerance))
     except (DumpError, OSError, ValueError, KeyError):
         return False
     if same:
         _note(f"{out} is complete for these inputs: skipped (--resume)")
     return same
+
+
+def _report_tolerance(text: str):
+    report = json.loads(text)
+    return report.get("tolerance") if isinstance(report, dict) else None
 
 
 def score_complete(json_out, plot) -> bool:
