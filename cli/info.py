@@ -21,4 +21,4 @@ def info():
     for name, value in mask_replay.build_info().items():
         out.print(f"build {name}: {value}")
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    out.print(f"devices: cpu" + "".join(f", cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(n)))
+    out.print("devices: cpu" + "".join(f", cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(n)))

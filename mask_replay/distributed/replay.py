@@ -24,6 +24,7 @@ import torch
 
 from mask_replay.distributed.collectives import copy_to_group, gather_rows
 from mask_replay.mask import SamplingMask
+from mask_replay.segments import segment_logsumexp
 from mask_replay.replay import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE, REPLAYED, Temperature, _sampled, _temperature
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -150,11 +151,7 @@ def _replay(n: int, vp: int, device, acc, entries: Callable, dense: Callable, ma
     x = entries(lrows, lcols) / temp[lrows]
     # Reductions in double; the max is a constant of the formula (detached: exact gradient).
     x64 = x.double()
-    m = torch.full((n,), float("-inf"), dtype=torch.float64, device=device)
-    m = m.scatter_reduce(0, lrows, x64.detach(), "amax", include_self=True)
-    s = torch.zeros(n, dtype=torch.float64, device=device).index_add(0, lrows, torch.exp(x64 - m[lrows]))
-    has = s > 0
-    lse_local = torch.where(has, m + torch.log(torch.where(has, s, torch.ones_like(s))), m)
+    lse_local = segment_logsumexp(x64, lrows, n)  # -inf where this rank holds none of the row's support
     # x_y is taken from the same gathered entry as the logsumexp's, so in reduced precision the two
     # gradient terms meet in float32 and are rounded to the logits' dtype once (as in the kernels)
     hit = lcols + vocab_start == y[lrows]

@@ -42,6 +42,7 @@ import mask_replay
 from mask_replay._ext import ops
 from mask_replay.integrations._steplog import StepLog
 from mask_replay.params import describe, expand_params
+from mask_replay.segments import segment_logsumexp
 
 __all__ = ["MaskRecorder", "SupportWarper", "generate", "hf_warpers", "WARPERS_OFF"]
 
@@ -194,21 +195,13 @@ class SupportWarper(_Recording, LogitsProcessor):
         out[rows, ids] = values
         if self.record:
             self._log.add_csr(token_ids, support.lengths())
-            lse = _segment_logsumexp(values, rows, n)  # O(support), not another pass over [B, V]
+            lse = segment_logsumexp(values.double(), rows, n)  # O(support), not another pass over [B, V]
             self._log.end(out, lse, torch.exp(lse - logz.double()).float())
         return out
 
     def _metadata(self) -> dict:
         return {"recorded_by": "mask_replay.integrations.transformers.SupportWarper",
                 "params": describe(self.temperature, self.top_k, self.top_p, self.min_p)}
-
-
-def _segment_logsumexp(values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """logsumexp of each row's values (float64 [n]; -inf for an empty row), without a host sync."""
-    v = values.double()
-    top = torch.full((n,), float("-inf"), dtype=torch.float64, device=v.device).scatter_reduce(0, rows, v, "amax")
-    total = torch.zeros(n, dtype=torch.float64, device=v.device).index_add_(0, rows, torch.exp(v - top[rows]))
-    return top + torch.log(total)
 
 
 def generate(model, inputs, recorder: Union[MaskRecorder, SupportWarper, None] = None, *,
