@@ -1,6 +1,7 @@
 # make demo   set up .venv, build, run the replay demo on an embedded synthetic RL run
 # make test   set up .venv, build (CUDA kernels too when a GPU and a toolkit are present), run the tests
 # make example  the real-model example (SmolLM2-135M from a PyPI wheel, sampled on the CPU)
+# make lint   ruff over the Python, clang-format --dry-run over csrc/ (both pinned: requirements-lint.txt)
 # make asan   AddressSanitizer copy of the CPU extension in build-asan/ (the in-place build is not
 #             touched) and the hostile-input fuzz loop over every op under it (ASAN_SECONDS, 60)
 # CPU_ONLY=1  never compile the CUDA sources; FORCE_CUDA=1 compiles them without a GPU (CI), and
@@ -16,7 +17,7 @@ ifeq ($(FORCE_CUDA),1)
 export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
-.PHONY: venv build test demo example bench clean asan
+.PHONY: venv build test test-fast lint demo example bench clean asan
 
 $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,19 @@ test:
 	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
 	$(PY) -m pytest -q tests
 
+# The inner loop: everything but the slow end-to-end runs (real model, engines, torchrun, wheels).
+test-fast: build
+	$(PY) -m pytest -q -m "not slow" tests
+
+$(VENV)/.deps-lint: $(VENV)/.deps requirements-lint.txt
+	$(PY) -m pip install -q -r requirements-lint.txt
+	touch $@
+
+CSRC := $(shell find csrc tests/cpp -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+lint: $(VENV)/.deps-lint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/clang-format --dry-run -Werror $(CSRC)
+
 demo: build
 	$(VENV)/bin/mask-replay demo --out demo_out
 
@@ -62,7 +76,7 @@ ASAN_SECONDS ?= 60
 asan: $(VENV)/.installed
 	MASK_REPLAY_ASAN=1 MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --build-lib build-asan --build-temp build-asan/obj
 	LD_PRELOAD="$$(c++ -print-file-name=libasan.so) $$(c++ -print-file-name=libstdc++.so)" ASAN_OPTIONS=detect_leaks=0 \
-	  MASK_REPLAY_EXTENSION=$$(ls build-asan/mask_replay/_C*.so) $(PY) tests/fuzz_ops.py --seconds $(ASAN_SECONDS)
+	  MASK_REPLAY_EXTENSION=$$(ls build-asan/mask_replay/_C*.so) $(PY) tests/ops/fuzz_ops.py --seconds $(ASAN_SECONDS)
 
 bench: build
 	$(PY) benchmarks/bench_capture.py

@@ -33,7 +33,7 @@ def write_dump(path, rows, vocab, dtype_name, seed=0):
     """Stream a safetensors file block by block, so the dump may exceed RAM. safetensors' own writer
     needs every tensor in memory at once; the format (8-byte header length, JSON header, raw
     little-endian data) is simple enough to write incrementally here."""
-    from mask_replay.demo import DemoConfig, _step_logits
+    from mask_replay.tools.demo import DemoConfig, _step_logits
 
     dtype, st_name = DTYPES[dtype_name]
     el = torch.empty(0, dtype=dtype).element_size()
@@ -68,7 +68,7 @@ def write_dump(path, rows, vocab, dtype_name, seed=0):
 def time_read(path, chunk_rows):
     """Every logits chunk read into memory through the commands' reader. (safetensors hands out
     zero-copy views of its memory map, so the bytes are copied to make the read real.)"""
-    from mask_replay.dumps import Dump
+    from mask_replay.files.dumps import Dump
 
     t0 = time.perf_counter()
     with Dump(path) as d:
@@ -82,7 +82,7 @@ def time_ops(path, masks, chunk_rows, top_p):
     """Time in the ops alone (chunks already in memory): capture, and replay + full log-prob."""
     import mask_replay
     from mask_replay import SamplingMask
-    from mask_replay.dumps import Dump
+    from mask_replay.files.dumps import Dump
 
     mask = SamplingMask.load(masks)
     t_cap = t_score = 0.0
@@ -111,13 +111,14 @@ def main():
     args = ap.parse_args()
 
     import mask_replay
-    from mask_replay.capture_dumps import capture_dumps, default_chunk_rows
-    from mask_replay.score import score_files
+    from mask_replay.files.dumps import default_chunk_rows
+    from mask_replay.tools.capture import MASK_ENTRY_BYTES, capture_dumps
+    from mask_replay.tools.score import score_files
 
     dtype = DTYPES[args.dtype][0]
     el = torch.empty(0, dtype=dtype).element_size()
     rows = max(1, int(args.gb * 1e9) // (args.vocab * el))
-    chunk = args.chunk_rows or default_chunk_rows(args.vocab, el)
+    chunk = args.chunk_rows or default_chunk_rows(args.vocab, el + MASK_ENTRY_BYTES)
     os.makedirs(args.dir, exist_ok=True)
     dump = os.path.join(args.dir, f"rollout_{rows}x{args.vocab}_{args.dtype}.safetensors")
     masks = os.path.join(args.dir, "masks.safetensors")

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from mask_replay import safetensors_io
+from mask_replay.files import safetensors_stream
 
 
 def make_flat_dump(path: str, gb: float, vocab: int, chunk_rows: int = 256) -> int:
@@ -31,7 +31,7 @@ def make_flat_dump(path: str, gb: float, vocab: int, chunk_rows: int = 256) -> i
     rows = int(gb * 1e9 // (vocab * 4))
     g = torch.Generator().manual_seed(0)
     with open(path, "w+b") as f:
-        w = safetensors_io.StreamWriter(f, {"logits": (torch.float32, (rows, vocab)),
+        w = safetensors_stream.StreamWriter(f, {"logits": (torch.float32, (rows, vocab)),
                                             "sampled": (torch.int64, (rows,))})
         for a in range(0, rows, chunk_rows):
             b = min(rows, a + chunk_rows)

@@ -14,7 +14,7 @@ import time
 import torch
 
 import mask_replay
-from mask_replay.profiles import PROFILES
+from mask_replay.sampler.profiles import PROFILES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_capture import llm_logits  # noqa: E402

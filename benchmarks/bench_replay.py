@@ -16,7 +16,6 @@ of --runs runs after one warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import resource

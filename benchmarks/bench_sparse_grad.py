@@ -32,8 +32,9 @@ SIZES = [(1024, 1024, 151936), (256, 512, 65536)]
 
 
 def make_inputs(n, d, v, device, seed=0):
-    import mask_replay as mr
     from bench_replay import support_sizes
+
+    import mask_replay as mr
 
     rng = random.Random(seed + 1)
     rows = [sorted(rng.sample(range(v), k)) for k in support_sizes(n, seed)]

@@ -52,7 +52,7 @@ def single(rows, runs, threads):
 def worker(rows, runs):
     import torch.distributed as dist
 
-    from mask_replay.distributed import replay_logprobs_vocab_parallel
+    from mask_replay.trainer.vocab_parallel import replay_logprobs_vocab_parallel
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -5,7 +5,7 @@
 
 Synthetic LLM-like rows (a few large logits over a Gaussian body), in float32 and rounded to bfloat16
 (ties everywhere), under five sampling configurations; --real adds a dump's `logits` (e.g. real-model
-logits). Each engine runs its own code (tests/engine_runners.py); agreement = identical support.
+logits). Each engine runs its own code (tests/sampler/engine_runners.py); agreement = identical support.
 Prints one line per (engine, config, dtype) with the share of rows where the `exact` profile and the
 engine's own profile agree with the engine.
 """
@@ -16,12 +16,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import engine_runners as er  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
 
 import mask_replay  # noqa: E402
-from mask_replay.profiles import engine_support  # noqa: E402
+from mask_replay.sampler.profiles import engine_support  # noqa: E402
+from tests.sampler import engine_runners as er  # noqa: E402
 
 CONFIGS = {
     "T1 p.9": dict(temperature=1.0, top_p=0.9),

@@ -2,10 +2,21 @@
 import click
 from click.core import ParameterSource
 
-from mask_replay.cli.common import CONTEXT, CliError, check_device, check_sampling_flags, console, fmt, one_line_errors
-from mask_replay.cli.profiles import report_mismatch
-from mask_replay.profiles import PROFILES
-from mask_replay.profiles.mismatch import DEFAULT_TOLERANCE
+from mask_replay.cli.common import (
+    CONTEXT,
+    CliError,
+    check_device,
+    check_sampling_flags,
+    console,
+    one_line_errors,
+)
+from mask_replay.cli.tables import print_summary, report_mismatch
+from mask_replay.sampler.profiles import PROFILES
+from mask_replay.sampler.profiles.mismatch import DEFAULT_TOLERANCE
+from mask_replay.tools import launch
+from mask_replay.tools import resume as resumed
+from mask_replay.tools import torchrun as dist_cli
+from mask_replay.tools.capture import capture_dumps
 
 PARAMS = ("temperature", "top_k", "top_p", "min_p")
 
@@ -40,7 +51,6 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
     dumps are concatenated in order. Logits are read in chunks, so dumps larger than RAM work.
     Under torchrun, the ranks split the rows and rank 0 writes the one mask file.
     """
-    from mask_replay.capture_dumps import capture_dumps
 
     if output == "-":
         raise CliError("-o -: standard output is for score's --json; name a mask file")
@@ -50,7 +60,6 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
     check_device(device)
     explicit = frozenset(p for p in PARAMS if ctx.get_parameter_source(p) in
                          (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
-    from mask_replay.distributed import cli as dist_cli, launch, resume as resumed
     flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     if resume and resumed.capture_complete(list(rollout), output, flags=flags, explicit=explicit, outside=outside,
                                           profile=profile, logprob_tolerance=logprob_tol):
@@ -67,25 +76,3 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
         err.print(f"mask-replay: note: {note}")
     print_summary(summary, output)
     report_mismatch(summary.logprob_mismatch, err)
-
-
-def print_summary(summary, output):
-    from rich.table import Table
-
-    s = summary.stats()
-    table = Table(title=f"capture -> {output}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    rows = [
-        ("rows", s["rows"]), ("vocab", s["vocab"]), ("nnz (support entries)", s["nnz"]),
-        ("support size mean", s["support_mean"]), ("support size median", s["support_median"]),
-        ("support size p99", s["support_p99"]), ("support size max", s["support_max"]),
-        ("singleton share", s["singleton_share"]),
-    ]
-    if s["outside_support_rows"]:
-        rows.append(("rows flagged outside support", s["outside_support_rows"]))
-    rows += [("bytes written", f"{s['bytes_written']:,}"), ("seconds", s["seconds"]),
-             ("throughput rows/s", s["rows_per_s"]), ("throughput GB/s (logits)", s["gb_per_s"])]
-    for name, value in rows:
-        table.add_row(name, fmt(value))
-    console().print(table)

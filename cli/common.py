@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import functools
+import math
 import sys
 
 import click
+import numpy as np
+import torch
+from rich.console import Console
+
+from mask_replay.errors import DumpError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -56,8 +62,6 @@ def one_line_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from mask_replay.io import DumpError
-
         try:
             return fn(*args, **kwargs)
         except DumpError as exc:
@@ -70,8 +74,6 @@ def one_line_errors(fn):
 
 
 def console(err: bool = False):
-    from rich.console import Console
-
     return Console(file=sys.stderr if err else sys.stdout, highlight=False)
 
 
@@ -85,7 +87,6 @@ def fmt(x) -> str:
 
 def check_device(device: str) -> None:
     """--device names cpu or a visible CUDA device (meta, another backend, a typo: refused)."""
-    import torch
 
     try:
         dev = torch.device(device)
@@ -108,9 +109,6 @@ def check_sampling_flags(temperature=None, top_k=None, top_p=None, min_p=None, *
     """Sampling flags are finite and in range before any file is opened; errors name the flag.
     The kernels compute in float32 (temperature) and int64 (top-k): a value that does not survive
     that conversion is refused here rather than reported against the dump's keys."""
-    import math
-
-    import numpy as np
 
     if temperature is not None:
         t32 = float(np.float32(temperature)) if math.isfinite(temperature) and abs(temperature) < 1e39 else math.inf

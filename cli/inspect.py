@@ -1,7 +1,9 @@
 """`mask-replay inspect`: what a dump or mask file holds, read from its header (logits are not loaded)."""
 import click
+from rich.table import Table
 
 from mask_replay.cli.common import CONTEXT, CliError, console, fmt, one_line_errors
+from mask_replay.tools.inspect import inspect_file
 
 
 @click.command(context_settings=CONTEXT)
@@ -11,13 +13,8 @@ from mask_replay.cli.common import CONTEXT, CliError, console, fmt, one_line_err
 @one_line_errors
 def inspect(file, force):
     """Keys, shapes, dtypes and rows of FILE; support statistics when it is a mask file."""
-    from rich.table import Table
 
-    from mask_replay.dumps import Dump
-    from mask_replay.inspect_file import INFLATE_LIMIT, describe
-
-    with Dump(file, inflate_limit=None if force else INFLATE_LIMIT) as d:
-        info = describe(d)
+    info = inspect_file(file, force=force)
     out = console()
     table = Table(title=f"{file}: {info['kind']}", title_justify="left")
     for col in ("key", "shape", "dtype", "bytes"):

@@ -1,21 +1,31 @@
 """`mask-replay`: capture sampling supports from rollout dumps, score replay against training logits.
 
-Commands live one per module; each imports torch and the heavy library code only when it runs.
+One module per command. A command's module (and with it torch and the extension) is imported only
+when that command runs or its help is shown: `mask-replay --version` and a mistyped command answer
+at once (click's lazily loaded subcommands).
 """
+import importlib
+
 import click
 
-from mask_replay import __version__
 from mask_replay.cli.common import CONTEXT, Group
-from mask_replay.cli.capture import capture
-from mask_replay.cli.convert import convert
-from mask_replay.cli.demo import demo
-from mask_replay.cli.example import example
-from mask_replay.cli.info import info
-from mask_replay.cli.inspect import inspect
-from mask_replay.cli.score import score
+from mask_replay.version import __version__
+
+# command name -> module of cli/ defining a click command of the same name
+COMMANDS = ("capture", "score", "inspect", "convert", "demo", "example", "info")
 
 
-@click.group(cls=Group, context_settings=CONTEXT)
+class LazyGroup(Group):
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        return getattr(importlib.import_module(f"mask_replay.cli.{name}"), name)
+
+
+@click.group(cls=LazyGroup, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="mask-replay")
 def main():
     """Record the support of truncated sampling at rollout time and replay it in the trainer.
@@ -26,10 +36,6 @@ def main():
       mask-replay score --masks masks.safetensors --training training.safetensors --plot score.png
       mask-replay demo            (the whole thing on a synthetic RL run)
     """
-
-
-for command in (capture, score, inspect, convert, demo, example, info):
-    main.add_command(command)
 
 
 if __name__ == "__main__":

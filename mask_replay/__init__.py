@@ -2,21 +2,14 @@
 
 Importing the package loads the extension, so `torch.ops.mask_replay.*` is available at once.
 """
-__version__ = "0.1.0"
-
-from mask_replay import _startup  # noqa: E402,F401  (first: a Ctrl-C while torch loads is one line)
-
-from mask_replay._ext import build_info  # noqa: E402  (loads the ops)
-from mask_replay import _register  # noqa: E402,F401  (fake kernels and autograd of every op)
-from mask_replay.capture_api import OutsideSupportError, capture, capture_fixed  # noqa: E402
-from mask_replay.mask import MaskFormatError, SamplingMask  # noqa: E402
-from mask_replay.replay import (  # noqa: E402
-    full_logprobs,
-    kept_mass,
-    replay_logprobs,
-    replay_logprobs_from_hidden,
-)
-from mask_replay.support_stats import (  # noqa: E402
+from mask_replay import _startup  # noqa: F401,I001  (first: a Ctrl-C while torch loads is one line)
+from mask_replay.version import __version__
+from mask_replay._ops import build_info  # (loads the extension and registers every op)
+from mask_replay.errors import MaskFormatError, OutsideSupportError
+from mask_replay.mask import SamplingMask
+from mask_replay.sampler.capture import capture, capture_fixed
+from mask_replay.trainer.replay import full_logprobs, kept_mass, replay_logprobs, replay_logprobs_from_hidden
+from mask_replay.trainer.support_stats import (
     support_entropy,
     support_entropy_from_hidden,
     support_kl,

@@ -8,17 +8,18 @@ from typing import Iterable, Optional
 
 import torch
 
+from mask_replay import csr
+from mask_replay.errors import MaskFormatError
+from mask_replay.row_order import align_mask
+from mask_replay.version import __version__
+
 SEMANTICS = "mask-replay/support-v1"
 FORMAT_VERSION = "1"
 _ROW_EXTRAS = ("sampled", "logprobs", "kept_mass")
 _EXTRA_DTYPES = {"sampled": torch.int64, "logprobs": torch.float32, "kept_mass": torch.float32}
 
 
-from mask_replay.io import DumpError
 
-
-class MaskFormatError(DumpError):
-    """A mask (in memory or on disk) breaks the CSR contract; the message names file, key, row."""
 
 
 @dataclass(eq=False)
@@ -79,58 +80,22 @@ class SamplingMask:
     # ---- checks ------------------------------------------------------------------------------
     def validate(self, vocab_size: Optional[int] = None, *, source: str = "mask") -> "SamplingMask":
         """Check the CSR contract; raises MaskFormatError naming the defect and the first bad row."""
-        t, o = self.token_ids, self.offsets
-        if t.dtype != torch.int32 or t.dim() != 1:
-            raise MaskFormatError(f"{source}: token_ids must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
-        if o.dtype != torch.int64 or o.dim() != 1 or o.numel() < 1:
-            raise MaskFormatError(f"{source}: offsets must be a 1-D int64 tensor of N+1 >= 1 entries, got {o.dtype} {tuple(o.shape)}")
-        if t.device != o.device:
-            raise MaskFormatError(f"{source}: token_ids on {t.device} but offsets on {o.device}")
-        oc = o.cpu()
-        if int(oc[0]) != 0:
-            raise MaskFormatError(f"{source}: offsets[0] must be 0, got {int(oc[0])}")
-        steps = oc[1:] - oc[:-1]
-        bad = torch.nonzero(steps < 0)
-        if bad.numel():
-            r = int(bad[0])
-            raise MaskFormatError(f"{source}: offsets decrease at row {r} ({int(oc[r])} -> {int(oc[r + 1])})")
-        if int(oc[-1]) != t.numel():
-            raise MaskFormatError(f"{source}: offsets[-1] = {int(oc[-1])} but token_ids has {t.numel()} entries")
-        tc = t.cpu().long()
-        if tc.numel():
-            if int(tc.min()) < 0:
-                r = self._row_of(int(torch.nonzero(tc < 0)[0]), oc)
-                raise MaskFormatError(f"{source}: negative token id in row {r}")
-            if vocab_size is not None and int(tc.max()) >= vocab_size:
-                r = self._row_of(int(torch.nonzero(tc >= vocab_size)[0]), oc)
-                raise MaskFormatError(f"{source}: token id >= vocab size {vocab_size} in row {r}")
-            # strictly ascending within a row: every adjacent pair inside one row increases
-            same_row = torch.ones(tc.numel() - 1, dtype=torch.bool)
-            starts = oc[1:-1]
-            starts = starts[(starts > 0) & (starts < tc.numel())]
-            same_row[starts - 1] = False
-            bad = torch.nonzero(same_row & (tc[1:] <= tc[:-1]))
-            if bad.numel():
-                r = self._row_of(int(bad[0]), oc)
-                raise MaskFormatError(f"{source}: token ids not strictly ascending in row {r}")
+        csr.check_csr(self.token_ids, self.offsets, source=source, vocab_size=vocab_size)
         n = self.num_rows
         for name in _ROW_EXTRAS:
             v = getattr(self, name)
             if v is not None and (v.dim() != 1 or v.numel() != n):
-                raise MaskFormatError(f"{source}: {name} must have shape [{n}], got {tuple(v.shape)}")
+                raise MaskFormatError(f"{name} must have shape [{n}], got {tuple(v.shape)}", file=source)
         for name, v in self.extras.items():
             if v.dim() != 1 or v.numel() != n:
-                raise MaskFormatError(f"{source}: {name} must have shape [{n}], got {tuple(v.shape)}")
+                raise MaskFormatError(f"{name} must have shape [{n}], got {tuple(v.shape)}", file=source)
         if self.sampled is not None and self.sampled.numel() and vocab_size is not None:
             s = self.sampled.cpu()
             bad = torch.nonzero((s < 0) | (s >= vocab_size))
             if bad.numel():
-                raise MaskFormatError(f"{source}: sampled token out of range [0, {vocab_size}) in row {int(bad[0])}")
+                raise MaskFormatError(f"sampled token out of range [0, {vocab_size}) in row {{row}}", file=source,
+                                      row=int(bad[0]))
         return self
-
-    @staticmethod
-    def _row_of(entry: int, offsets: torch.Tensor) -> int:
-        return int(torch.searchsorted(offsets, torch.tensor(entry), right=True)) - 1
 
     # ---- conversions -------------------------------------------------------------------------
     def to_dense(self, vocab_size: int) -> torch.Tensor:
@@ -240,18 +205,18 @@ class SamplingMask:
     def save(self, path) -> None:
         """Write a safetensors file atomically (temp file in the same folder, then rename), in a
         stable layout with sorted metadata: the same mask always gives the same bytes."""
-        from mask_replay import safetensors_io
+        from mask_replay.files.safetensors_stream import save
 
-        safetensors_io.save(path, self.tensors(), self.file_metadata())
+        save(path, self.tensors(), self.file_metadata())
 
     @classmethod
     def load(cls, path, device="cpu", *, validate: bool = True) -> "SamplingMask":
-        from mask_replay.io import read_safetensors
+        from mask_replay.files.safetensors_stream import read_all
 
-        tensors, meta = read_safetensors(path)
+        tensors, meta = read_all(path)
         for key in ("token_ids", "offsets"):
             if key not in tensors:
-                raise MaskFormatError(f"{path}: missing key '{key}' (is this a mask file?)")
+                raise MaskFormatError(f"missing key '{key}' (is this a mask file?)", file=path)
         check_file_dtypes(tensors, str(path))
         named = {k: tensors.pop(k) for k in _ROW_EXTRAS if k in tensors}
         mask = cls(tensors.pop("token_ids"), tensors.pop("offsets"), extras=tensors, metadata=meta, **named)
@@ -264,30 +229,30 @@ class SamplingMask:
     def from_vllm(cls, outputs, **kwargs) -> "SamplingMask":
         """vLLM RequestOutputs / CompletionOutputs or /inference/v1/generate JSON, one row per
         generated token; kwargs temperature, step, vocab_size. See adapters.vllm."""
-        from mask_replay.adapters.vllm import vllm_parts
+        from mask_replay.sampler.adapters.vllm import mask_from_vllm
 
-        return cls(**vars(vllm_parts(outputs, **kwargs)))
+        return mask_from_vllm(outputs, **kwargs)
 
     @classmethod
     def from_sglang(cls, outputs, **kwargs) -> "SamplingMask":
         """SGLang /generate responses or its fixed-capacity form; see adapters.sglang."""
-        from mask_replay.adapters.sglang import sglang_parts
+        from mask_replay.sampler.adapters.sglang import mask_from_sglang
 
-        return cls(**vars(sglang_parts(outputs, **kwargs)))
+        return mask_from_sglang(outputs, **kwargs)
 
     def to_padded(self, width: Optional[int] = None):
         """(ids [N, width] int32 padded with -1, counts [N] int32); see adapters.padded."""
-        from mask_replay.adapters.padded import to_padded
+        from mask_replay.sampler.adapters.padded import to_padded
 
         return to_padded(self, width)
 
     @classmethod
     def from_padded(cls, ids, counts, **kwargs) -> "SamplingMask":
         """Inverse of to_padded, with checks; kwargs strict_padding, vocab_size, metadata and
-        per-row tensors (sampled, logprobs, ...). See adapters.padded.padded_parts."""
-        from mask_replay.adapters.padded import padded_parts
+        per-row tensors (sampled, logprobs, ...). See adapters.padded.mask_from_padded."""
+        from mask_replay.sampler.adapters.padded import mask_from_padded
 
-        return cls(**vars(padded_parts(ids, counts, **kwargs)))
+        return mask_from_padded(ids, counts, **kwargs)
 
     # ---- trainer order -----------------------------------------------------------------------
     def align(self, order: Optional[torch.Tensor] = None, *, sequences=None, key: str = "sequence") -> "SamplingMask":
@@ -299,17 +264,13 @@ class SamplingMask:
         e.g. 'sequence' as the engine adapters write it); the result holds each one's rows in token
         order (``extras['position']`` when present, else mask order), sequence after sequence.
         """
-        from mask_replay.row_order import align_mask
-
         return align_mask(self, order, sequences=sequences, key=key)
 
 def file_metadata(metadata: dict) -> dict:
     """The safetensors string map of a mask file: structured values as JSON, keys sorted (also
     inside the JSON), so identical runs write identical bytes."""
-    from mask_replay import __version__
-
     meta = {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in metadata.items()}
-    meta.setdefault("semantics", SEMANTICS)  # an engine profile names itself there (mask_replay.profiles)
+    meta.setdefault("semantics", SEMANTICS)  # an engine profile names itself there (mask_replay.sampler.profiles)
     meta.update({"format_version": FORMAT_VERSION, "mask_replay_version": __version__})
     return dict(sorted(meta.items()))
 

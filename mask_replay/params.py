@@ -1,7 +1,9 @@
-"""Expansion of sampling parameters (scalar, per-row tensor or None) into per-row tensors.
+"""Every parameter normalisation: sampling parameters (scalar, per-row tensor or None) into per-row
+tensors, temperatures, and the dtypes the ops take and return.
 
-The one place where a Python or numpy number, or a tensor, becomes a per-row parameter of the
-kernels; capture (params here) and replay (temperature_per_row) both go through it.
+The one place where a Python or numpy number, or a tensor, becomes a parameter of the kernels:
+capture, replay (every layout), the sparse head, the support statistics and vocab-parallel replay all
+go through it, so a value is accepted or refused the same way, with the same words, everywhere.
 """
 from __future__ import annotations
 
@@ -14,6 +16,28 @@ import torch
 Param = Union[None, int, float, torch.Tensor]
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+# Logits the kernels read (float64 too on the replay side: gradcheck), integer tensors the files
+# may hold for integer keys.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation for fp32/bf16/fp16, fp64 kept (gradcheck); also the ops' default output."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def output_dtype(out_dtype: Optional[torch.dtype], input_dtype: torch.dtype, op: str) -> torch.dtype:
+    """The documented output choices: float32 by default (float64 for float64 input), or the
+    input's own dtype, or float64."""
+    default = compute_dtype(input_dtype)
+    if out_dtype is None:
+        return default
+    if out_dtype not in (torch.float32, torch.float64, input_dtype):
+        raise ValueError(f"{op}: out_dtype must be None, torch.float32, torch.float64 or the input dtype "
+                         f"({input_dtype}), got {out_dtype}")
+    return out_dtype
 
 
 def is_number(value) -> bool:
@@ -91,16 +115,35 @@ def _per_row(value, n: int, dtype, device, name: str, off) -> torch.Tensor:
     return torch.full((n,), value, dtype=dtype, device=device)
 
 
-def temperature_per_row(temperature, n: int, device, *, allow_zero: bool) -> torch.Tensor:
+def temperature_value(temperature, op: str = ""):
+    """A temperature as given: a float (a Python or numpy number) or a detached tensor of numbers.
+    The first step of every path that takes one, so all refuse the same things the same way."""
+    name = f"{op}: temperature" if op else "temperature"
+    if isinstance(temperature, torch.Tensor):
+        check_numeric_tensor(name, temperature)
+        return temperature.detach()
+    if not is_number(temperature):
+        raise TypeError(f"{name}: expected a number or a tensor, got {type(temperature).__name__}")
+    return float(temperature)
+
+
+def temperature_per_row(temperature, n: int, device, *, allow_zero: bool, op: str = "",
+                        check_values: bool = False) -> torch.Tensor:
     """Per-row float32 temperatures [N]. A scalar is checked here (finite, > 0, or >= 0 where 0 means
-    greedy); tensor values row by row in the kernels."""
-    if is_number(temperature):
-        t = float(temperature)
-        if not (math.isfinite(t) and (t > 0 or (allow_zero and t == 0))):
-            raise ValueError(f"temperature must be finite and {'>=' if allow_zero else '>'} 0, got {temperature}")
-    elif isinstance(temperature, torch.Tensor):
-        temperature = temperature.detach()
-    return _per_row(temperature, n, torch.float32, device, "temperature", 1.0)
+    greedy). Tensor values are checked row by row by the kernels, or here with check_values (one host
+    synchronisation: the paths composed of torch ops, which have no kernel to check them)."""
+    t = temperature_value(temperature, op)
+    name = f"{op}: temperature" if op else "temperature"
+    want = ">=" if allow_zero else ">"
+    if isinstance(t, float) and not (math.isfinite(t) and (t > 0 or (allow_zero and t == 0))):
+        raise ValueError(f"{name} must be finite and {want} 0, got {temperature}")
+    out = _per_row(t, n, torch.float32, device, name, 1.0)
+    if check_values and isinstance(t, torch.Tensor):
+        bad = ~(torch.isfinite(out) & ((out >= 0) if allow_zero else (out > 0)))
+        if bool(bad.any()):
+            r = int(torch.nonzero(bad)[0])
+            raise ValueError(f"{name} must be finite and {want} 0, row {r} has {float(out[r])}")
+    return out
 
 
 def expand_params(n: int, device, temperature: Param, top_k: Param, top_p: Param, min_p: Param):

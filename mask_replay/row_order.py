@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import torch
 
+from mask_replay import csr
+
 
 def take_rows(mask, order: torch.Tensor):
     """A new mask made of the rows `order` (int64 [M], each in [0, N)), in that order."""
-    device = mask.device
-    order = order.to(device=device, dtype=torch.int64)
-    lengths = mask.lengths()[order]
-    offsets = torch.zeros(order.numel() + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    nnz = int(offsets[-1])
-    new_rows = torch.repeat_interleave(torch.arange(order.numel(), device=device), lengths, output_size=nnz)
-    src = mask.offsets[order][new_rows] + torch.arange(nnz, device=device) - offsets[new_rows]
+    order = order.to(device=mask.device, dtype=torch.int64)
+    token_ids, offsets = csr.take_rows(mask.token_ids, mask.offsets, order)
     pick = lambda v: None if v is None else v[order.to(v.device)]  # noqa: E731
-    return type(mask)(mask.token_ids[src], offsets, pick(mask.sampled), pick(mask.logprobs),
-                        pick(mask.kept_mass), {k: pick(v) for k, v in mask.extras.items()}, dict(mask.metadata))
+    return type(mask)(token_ids, offsets, pick(mask.sampled), pick(mask.logprobs),
+                      pick(mask.kept_mass), {k: pick(v) for k, v in mask.extras.items()}, dict(mask.metadata))
 
 
 def align_mask(mask, order=None, *, sequences=None, key: str = "sequence"):

@@ -3,10 +3,11 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mask_replay import MaskFormatError, SamplingMask
-from mask_replay.io import DumpError
+from mask_replay.errors import DumpError
 
 
 def sample_mask():
@@ -67,10 +68,10 @@ def test_select_rows_and_concat():
     ([1, 2], [0, 1], r"offsets\[-1\]"),
     ([1, 2], [1, 2], r"offsets\[0\]"),
     ([1, 2, 3], [0, 2, 1, 3], "decrease at row 1"),
-    ([2, 1], [0, 2], "not strictly ascending in row 0"),
-    ([1, 1], [0, 0, 2], "not strictly ascending in row 1"),
-    ([1, -1], [0, 1, 2], "negative token id in row 1"),
-    ([1, 9], [0, 1, 2], "vocab size 5 in row 1"),
+    ([2, 1], [0, 2], "token_ids of row 0 are not strictly ascending"),
+    ([1, 1], [0, 0, 2], "token_ids of row 1 are not strictly ascending"),
+    ([1, -1], [0, 1, 2], r"token_ids of row 1 hold an id outside \[0, 5\)"),
+    ([1, 9], [0, 1, 2], r"token_ids of row 1 hold an id outside \[0, 5\)"),
 ])
 def test_validate_names_the_defect(ids, offsets, match):
     m = SamplingMask(torch.tensor(ids, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int64))

@@ -11,18 +11,8 @@ from typing import Optional
 
 import torch
 
+from mask_replay.csr import take_rows
 from mask_replay.mask import SamplingMask
-
-
-def take_rows(token_ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor):
-    """CSR rows `rows` (int64, any order) of (token_ids, offsets), as a new (token_ids, offsets)."""
-    starts, lengths = offsets[rows], offsets[rows + 1] - offsets[rows]
-    new_offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=offsets.device)
-    torch.cumsum(lengths, 0, out=new_offsets[1:])
-    nnz = int(new_offsets[-1])
-    # entry j of new row i comes from starts[i] + (j - new_offsets[i])
-    shift = torch.repeat_interleave(starts - new_offsets[:-1], lengths, output_size=nnz)
-    return token_ids[torch.arange(nnz, device=offsets.device) + shift], new_offsets
 
 
 class StepLog:

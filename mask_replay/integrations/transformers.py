@@ -38,11 +38,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError(
         "mask_replay.integrations.transformers needs transformers: pip install 'mask-replay[hf]'") from exc
 
-import mask_replay
-from mask_replay._ext import ops
+from mask_replay._ops import ops
+from mask_replay.csr import segment_logsumexp
 from mask_replay.integrations._steplog import StepLog
+from mask_replay.mask import SamplingMask
 from mask_replay.params import describe, expand_params
-from mask_replay.segments import segment_logsumexp
 
 __all__ = ["MaskRecorder", "SupportWarper", "generate", "hf_warpers", "WARPERS_OFF"]
 
@@ -119,7 +119,7 @@ class _Recording:
     def steps(self) -> int:
         return self._log.steps
 
-    def mask(self, output, eos_token_id=None) -> mask_replay.SamplingMask:
+    def mask(self, output, eos_token_id=None) -> SamplingMask:
         """One SamplingMask row per generated token, aligned with `output` (generate's return value,
         or its sequences): rows sequence-major, those after a sequence's first EOS dropped (the EOS
         itself kept). extras `sequence` (batch row of `output.sequences`) and `position` (0-based
@@ -188,7 +188,7 @@ class SupportWarper(_Recording, LogitsProcessor):
         t, k, p, mp = expand_params(n, scores.device, self.temperature, self.top_k, self.top_p, self.min_p)
         # one capture pass gives the support and, when recording, the full normaliser for kept_mass
         token_ids, offsets, logz = ops.capture(scores, t, k, p, mp, self.record)
-        support = mask_replay.SamplingMask(token_ids, offsets)
+        support = SamplingMask(token_ids, offsets)
         rows, ids = support.row_ids(), token_ids.long()
         values = scores[rows, ids].float() / t[rows]  # capture's x = float32(z) / float32(T)
         out = torch.full(scores.shape, float("-inf"), dtype=torch.float32, device=scores.device)

@@ -1,0 +1,151 @@
+"""The CSR support: its contract, checked in one place with one set of messages, and the O(nnz)
+building blocks over it in plain device-agnostic torch (CPU and CUDA).
+
+A support is `token_ids` (int32 [nnz], strictly ascending within a row) and `offsets` (int64
+[N + 1], offsets[0] = 0, non-decreasing, offsets[N] = nnz). The sparse statistics (support_stats.py)
+and the sparse-gradient LM head (sparse_head.py) are compositions of the segment reductions below:
+gather the support's logits, then reduce per row. Nothing here touches an [N, V] tensor.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mask_replay.errors import MaskFormatError
+
+
+def check_offsets(offsets: torch.Tensor, nnz: int, *, source: str) -> None:
+    """offsets must be 1-D int64 [N + 1 >= 1], start at 0, never decrease and end at nnz."""
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise MaskFormatError(f"offsets must be a 1-D int64 tensor of N+1 >= 1 entries, got {offsets.dtype} "
+                              f"{tuple(offsets.shape)}", file=source)
+    o = offsets.cpu()
+    if int(o[0]) != 0:
+        raise MaskFormatError(f"offsets[0] must be 0, got {int(o[0])}", file=source)
+    bad = torch.nonzero(o[1:] < o[:-1])
+    if bad.numel():
+        r = int(bad[0])
+        raise MaskFormatError(f"offsets decrease at row {{row}} ({int(o[r])} -> {int(o[r + 1])})", file=source, row=r)
+    if int(o[-1]) != nnz:
+        raise MaskFormatError(f"offsets[-1] = {int(o[-1])} but token_ids has {nnz} entries", file=source)
+
+
+def row_of_entry(entry: int, offsets: torch.Tensor) -> int:
+    """The row holding entry `entry` of token_ids (offsets on the CPU)."""
+    return int(torch.searchsorted(offsets, torch.tensor(entry), right=True)) - 1
+
+
+def check_ids(token_ids: torch.Tensor, offsets: torch.Tensor, *, source: str, vocab_size: Optional[int] = None) -> None:
+    """Every id in [0, vocab_size) (>= 0 when the vocabulary is unknown) and strictly ascending
+    within its row; offsets already checked. The error names the first bad entry's row, in the
+    words the kernels use for the same defect."""
+    t, o = token_ids.cpu().long(), offsets.cpu()
+    if not t.numel():
+        return
+    outside = (t < 0) if vocab_size is None else (t < 0) | (t >= vocab_size)
+    same_row = torch.ones(t.numel() - 1, dtype=torch.bool)
+    starts = o[1:-1]
+    starts = starts[(starts > 0) & (starts < t.numel())]
+    same_row[starts - 1] = False
+    descending = torch.zeros(t.numel(), dtype=torch.bool)
+    descending[1:] = same_row & (t[1:] <= t[:-1])
+    bad = torch.nonzero(outside | descending)
+    if not bad.numel():
+        return
+    e = int(bad[0])
+    if bool(outside[e]):
+        what = "hold a negative id" if vocab_size is None else f"hold an id outside [0, {vocab_size})"
+    else:
+        what = "are not strictly ascending"
+    raise MaskFormatError(f"token_ids of row {{row}} {what}", file=source, row=row_of_entry(e, o))
+
+
+def check_csr(token_ids: torch.Tensor, offsets: torch.Tensor, *, source: str,
+              vocab_size: Optional[int] = None) -> None:
+    """The whole contract (dtypes, shapes, offsets, ids), raising MaskFormatError naming the row."""
+    if token_ids.dtype != torch.int32 or token_ids.dim() != 1:
+        raise MaskFormatError(f"token_ids must be a 1-D int32 tensor, got {token_ids.dtype} "
+                              f"{tuple(token_ids.shape)}", file=source)
+    check_offsets(offsets, token_ids.numel(), source=source)
+    if token_ids.device != offsets.device:
+        raise MaskFormatError(f"token_ids on {token_ids.device} but offsets on {offsets.device}", file=source)
+    check_ids(token_ids, offsets, source=source, vocab_size=vocab_size)
+
+
+def device_csr(token_ids: torch.Tensor, offsets: torch.Tensor, n: int, vocab: int, device, op: str):
+    """(token_ids int64 [nnz], offsets int64 [n + 1], row of each entry int64 [nnz]) on `device`, after
+    checking the contract there: the defects are flagged on the device and read back at once (one
+    synchronisation); only a mask found bad is checked again on the host, for the message."""
+    ids = token_ids.to(device=device, dtype=torch.int64)
+    offs = offsets.to(device=device, dtype=torch.int64)
+    nnz = ids.numel()
+    lengths = offs[1:] - offs[:-1]
+    flags = [offs[0] != 0, (lengths < 0).any(), offs[-1] != nnz]
+    if nnz:
+        ok_lengths = lengths.clamp(min=0)
+        total = int(ok_lengths.sum()) if bool(torch.stack(flags).any()) else nnz
+        if total == nnz:
+            rows = torch.repeat_interleave(torch.arange(n, device=device), ok_lengths, output_size=nnz)
+            first = torch.zeros(nnz, dtype=torch.bool, device=device)  # first entry of a row
+            inner = offs[1:-1]
+            first[inner[(inner >= 0) & (inner < nnz)]] = True
+            first[0] = True
+            bad = (ids < 0) | (ids >= vocab)
+            bad[1:] |= ~first[1:] & (ids[1:] <= ids[:-1])
+            flags.append(bad.any())
+    if bool(torch.stack(flags).any()):
+        check_csr(token_ids.cpu().to(torch.int32), offsets.cpu().to(torch.int64), source=op, vocab_size=vocab)
+    rows = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=nnz)
+    return ids, offs, rows
+
+
+def take_rows(token_ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor):
+    """(token_ids, offsets) of the given rows, in the given order (rows int64 on offsets' device)."""
+    starts, ends = offsets[:-1][rows], offsets[1:][rows]
+    lengths = ends - starts
+    new_offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=offsets.device)
+    torch.cumsum(lengths, 0, out=new_offsets[1:])
+    nnz = int(new_offsets[-1])
+    # entry j of the result comes from starts[row of j] + (j - new_offsets[row of j])
+    which = torch.repeat_interleave(torch.arange(rows.numel(), device=offsets.device), lengths, output_size=nnz)
+    src = starts[which] + torch.arange(nnz, device=offsets.device) - new_offsets[:-1][which]
+    return token_ids[src], new_offsets
+
+
+def segment_logsumexp(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """logsumexp of x over each row's entries ([n]); -inf for a row that is empty or all -inf.
+
+    The shift m is the row max taken without gradient: lse = m + log sum exp(x - m) has the
+    right gradient for any constant m, and a row whose max is not finite is shifted by 0 so that
+    no inf - inf appears (its lse is then -inf, +inf or NaN, as the values say)."""
+    m = torch.full((n,), float("-inf"), dtype=x.dtype, device=x.device)
+    m = m.scatter_reduce(0, rows, x.detach(), reduce="amax", include_self=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, rows, torch.exp(x - m[rows]))
+    # s = 0 (nothing finite) is -inf, selected after the log of a stand-in 1: log(0) would send
+    # 0 * inf = NaN back through its gradient.
+    none = s == 0
+    lse = m + torch.log(torch.where(none, torch.ones_like(s), s))
+    return torch.where(none, torch.full_like(s, float("-inf")), lse)
+
+
+def segment_sum(values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, rows, values)
+
+
+def log_probs_over_support(x: torch.Tensor, rows: torch.Tensor, n: int):
+    """(log q [nnz], q [nnz], positive [nnz], alive [n]): the support's log-softmax per row.
+    alive is False for a row that is empty or whose logits in K are all -inf: it has no
+    distribution. Entries with q = 0 (positive False: a -inf logit, or a dead row) get log q = 0,
+    a stand-in, so that nothing downstream (values or gradients) becomes NaN; callers that need
+    the true -inf read `positive`."""
+    lse = segment_logsumexp(x, rows, n)
+    alive = lse != float("-inf")  # NaN rows stay alive: their NaN must reach the result
+    entry_alive = alive[rows] & (x > float("-inf"))
+    safe_lse = torch.where(alive, lse, torch.zeros_like(lse))
+    logq = torch.where(entry_alive, x - safe_lse[rows], torch.zeros_like(x))
+    q = torch.where(entry_alive, torch.exp(logq), torch.zeros_like(x))
+    return logq, q, entry_alive, alive
+
+

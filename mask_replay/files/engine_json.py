@@ -1,0 +1,42 @@
+"""Reading engine responses saved as JSON: one document (a response or a list of them) or JSON
+Lines (one response, or one list of responses, per line)."""
+from __future__ import annotations
+
+import json
+import os
+
+from mask_replay.errors import DumpError
+
+
+def read_engine_json(path) -> list:
+    """The responses in `path`, in file order; DumpError naming the file (and line) otherwise."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DumpError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise DumpError(f"{path}: is a folder, expected a JSON file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        raise DumpError(f"{path}: not UTF-8 text (is this a JSON file?)") from exc
+    try:
+        doc = json.loads(text)
+        items = doc if isinstance(doc, list) else [doc]
+    except json.JSONDecodeError as whole:
+        items = []
+        lines = text.splitlines()
+        if len([ln for ln in lines if ln.strip()]) < 2:  # not JSON Lines either: report the parse error
+            raise DumpError(f"{path}: not valid JSON (line {whole.lineno}: {whole.msg})") from whole
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DumpError(f"{path}: line {i}: not valid JSON ({exc.msg})") from exc
+            items.extend(doc if isinstance(doc, list) else [doc])
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise DumpError(f"{path}: response {i} is a JSON {type(item).__name__}, expected an object")
+    return items

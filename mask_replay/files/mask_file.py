@@ -1,0 +1,169 @@
+"""Mask files with bounded memory: MaskFile reads one in row chunks (what `score` uses, so its memory
+does not grow with the supports); MaskSink writes one chunk by chunk (what `capture` uses), MemorySink
+keeps the chunks for a torchrun rank to send.
+
+Reading:
+
+SamplingMask.load reads every tensor; a mask of flat rows is as large as an fp32 dump (GBs). Here
+only the per-row keys (offsets, sampled, logprobs, ...: a few bytes per row) are read whole; the
+support ids of rows [a, b) are read with pread when those rows are scored, and checked then
+(SamplingMask.validate on the chunk: ids in range and ascending, sampled in range). The checks
+that need the whole file (offsets start at 0, never decrease, end at the number of ids; every
+per-row key has one value per row) are made once at open, on the per-row keys only.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+from mask_replay.csr import check_offsets
+from mask_replay.errors import MaskFormatError
+from mask_replay.files.dumps import Dump
+from mask_replay.files.safetensors_stream import StreamWriter
+from mask_replay.mask import _ROW_EXTRAS, SamplingMask, check_file_dtypes, file_metadata
+
+
+class MaskFile:
+    def __init__(self, path: str):
+        self.path = path
+        self._dump = Dump(path)
+        try:
+            self._open()
+        except BaseException:
+            self._dump.close()
+            raise
+
+    def _open(self):
+        d, path = self._dump, self.path
+        for key in ("token_ids", "offsets"):
+            if key not in d:
+                raise MaskFormatError(f"missing key '{key}' (is this a mask file?)", file=path)
+        if d.dtype("token_ids") != torch.int32 or len(d.shape("token_ids")) != 1:
+            raise MaskFormatError(f"{path}: key 'token_ids': must be a 1-D int32 tensor, got "
+                                  f"{d.dtype('token_ids')} {list(d.shape('token_ids'))}")
+        self.nnz = d.shape("token_ids")[0]
+        per_row = {k: d.get(k) for k in d.keys() if k != "token_ids"}
+        check_file_dtypes(per_row, path)
+        o = per_row.pop("offsets")
+        check_offsets(o, self.nnz, source=path)
+        self.offsets = o
+        self.num_rows = o.numel() - 1
+        for k, v in per_row.items():
+            if v.dim() != 1 or v.numel() != self.num_rows:
+                raise MaskFormatError(f"{k} must have shape [{self.num_rows}], got {tuple(v.shape)}", file=path)
+        named = {k: per_row.pop(k) for k in _ROW_EXTRAS if k in per_row}
+        self.sampled = named.get("sampled")
+        self.logprobs = named.get("logprobs")
+        self.kept_mass = named.get("kept_mass")
+        self.extras = per_row
+        self.metadata = dict(self._dump.metadata)
+
+    def rows(self, a: int, b: int, vocab_size: int) -> SamplingMask:
+        """Rows [a, b) with their support ids, checked against the vocabulary."""
+        lo, hi = int(self.offsets[a]), int(self.offsets[b])
+        # a view of the file map, released when the next chunk is read (see Dump.get)
+        sub = SamplingMask(self._dump.get("token_ids", lo, hi, stream=True), self.offsets[a: b + 1] - lo,
+                           None if self.sampled is None else self.sampled[a:b].to(torch.int64))
+        try:
+            sub.validate(vocab_size=vocab_size, source=self.path)
+        except MaskFormatError as exc:
+            raise exc.at(row_offset=a) from None
+        return sub
+
+    def close(self):
+        self._dump.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# Room kept in a streamed mask file's header for the log-prob mismatch report, which is known only
+# at the end (a few counts and a cause name: well under this).
+MISMATCH_REPORT_ROOM = 1024
+
+
+class MaskSink:
+    """A mask file written chunk by chunk (layout in safetensors_stream.StreamWriter)."""
+
+    def __init__(self, f, rows: int, vocab: int, carried, outside: str, metadata: dict, compare: bool = False):
+        head = {"offsets": (torch.int64, (rows + 1,))}
+        for k in ("sampled",) + tuple(carried):
+            head[k] = (torch.int64, (rows,))
+        for k in ("logprobs", "kept_mass", "capture_logprobs", "temperature"):
+            head[k] = (torch.float32, (rows,))
+        # one-byte tensors go after token_ids (alignment): outside_support only when some row was
+        # flagged, logprob_mismatch when some dump had rollout_logprobs
+        tail = {"outside_support": (torch.bool, (rows,))} if outside == "flag" else {}
+        if compare:
+            tail["logprob_mismatch"] = (torch.int8, (rows,))
+        self.outside = outside
+        self.nnz = 0
+        self.w = StreamWriter(f, head, growing=("token_ids", torch.int32, rows * vocab), tail_room=tail,
+                              metadata=file_metadata(metadata),
+                              metadata_room=MISMATCH_REPORT_ROOM if compare else 0)
+        self.w.write_rows("offsets", 0, torch.zeros(1, dtype=torch.int64))
+
+    def write(self, row0: int, m, extras: dict) -> None:
+        """Rows [row0, row0 + m.num_rows): the chunk's mask and its per-row keys."""
+        self.w.write_rows("offsets", row0 + 1, m.offsets[1:].cpu() + self.nnz)
+        self.w.append(m.token_ids)
+        self.nnz += m.nnz
+        self.w.write_rows("sampled", row0, m.sampled)
+        self.w.write_rows("kept_mass", row0, m.kept_mass)
+        for k, v in extras.items():
+            if k not in ("outside_support", "logprob_mismatch"):
+                self.w.write_rows(k, row0, v)
+
+    def finish(self, flagged: torch.Tensor, codes: Optional[torch.Tensor], mismatch: Optional[dict]):
+        tail = {"outside_support": flagged} if self.outside == "flag" and bool(flagged.any()) else {}
+        if codes is not None:
+            tail["logprob_mismatch"] = codes
+        self.w.finish(tail, metadata={"logprob_mismatch": _json(mismatch)} if mismatch is not None else None)
+        return None  # the mask is on disk, never whole in memory
+
+
+class MemorySink:
+    """One rank's share under torchrun (mask_replay.distributed): the chunks' masks kept in memory
+    and concatenated, for rank 0 to gather and write."""
+
+    def __init__(self, carried, outside: str, metadata: dict, compare: bool = False):
+        self.carried, self.outside, self.metadata, self.parts = carried, outside, metadata, []
+        self.compare = compare
+
+    def write(self, row0: int, m, extras: dict) -> None:
+        self.parts.append((m, extras))
+
+    def finish(self, flagged, codes, mismatch):
+        mask = _concat(self.parts, self.carried, self.outside, self.compare)
+        mask.metadata = dict(self.metadata)
+        if mismatch is not None:
+            mask.metadata["logprob_mismatch"] = mismatch
+        return mask
+
+
+def _json(value) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _concat(parts, carried, outside, compare=False):
+    masks = []
+    for m, ex in parts:
+        masks.append(SamplingMask(m.token_ids, m.offsets, m.sampled, ex["logprobs"], m.kept_mass,
+                                  {k: v for k, v in ex.items() if k != "logprobs"}))
+    mask = SamplingMask.concat(masks) if masks else SamplingMask.concat([])
+    if not masks:  # no rows at all: an empty mask still carries empty per-row keys
+        mask.sampled = torch.zeros(0, dtype=torch.int64)
+        mask.logprobs = torch.zeros(0)
+        mask.kept_mass = torch.zeros(0)
+        mask.extras = {"temperature": torch.zeros(0), "capture_logprobs": torch.zeros(0)}
+        mask.extras.update({k: torch.zeros(0, dtype=torch.int64) for k in carried})
+        if compare:  # MaskSink writes this column whenever some dump has rollout_logprobs, rows or not
+            mask.extras["logprob_mismatch"] = torch.zeros(0, dtype=torch.int8)
+    if outside == "error" or not bool(mask.extras.get("outside_support", torch.zeros(0, dtype=torch.bool)).any()):
+        mask.extras.pop("outside_support", None)  # only written when some row was flagged
+    return mask

@@ -1,0 +1,107 @@
+"""Padded layouts: `ids [N, W]` int32 (row r's support in its first `counts[r]` slots, -1 after)
+and `counts [N]` int32, the fixed-width buffers prime-rl and vLLM's compact capture use. A row
+with count 0 is an unsampled row (no support recorded; replay falls back there).
+
+Device-agnostic torch: the work stays on the tensors' device.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mask_replay.errors import EngineOutputError
+from mask_replay.mask import SamplingMask
+from mask_replay.params import INT_DTYPES
+from mask_replay.sampler.adapters.common import INT32_LIMIT
+
+PAD = -1
+
+
+def to_padded(mask, width: Optional[int] = None):
+    """(ids [N, width] int32 padded with -1, counts [N] int32). width defaults to the widest row;
+    a row wider than `width` is an error naming the row and its size."""
+    lengths = mask.lengths()
+    n = mask.num_rows
+    widest = int(lengths.max()) if n else 0
+    if width is None:
+        width = widest
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"width must be an integer >= 0, got {width!r}")
+    if widest > width:
+        r = int(torch.nonzero(lengths > width)[0])
+        raise ValueError(f"row {r} has {int(lengths[r])} ids, more than the width {width}")
+    ids = torch.full((n, width), PAD, dtype=torch.int32, device=mask.device)
+    if mask.nnz:
+        rows = mask.row_ids()
+        cols = torch.arange(mask.nnz, device=mask.device) - mask.offsets[rows]
+        ids[rows, cols] = mask.token_ids
+    return ids, lengths.to(torch.int32)
+
+
+def mask_from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Optional[int] = None,
+                source: str = "padded mask", metadata: Optional[dict] = None, **extras):
+    """The mask of a padded layout. Checks: ids 2-D integer, counts [N] integer in [0, W];
+    ids in the first counts[r] slots in [0, vocab_size) (or [0, 2^31)) and distinct; with
+    `strict_padding` the other slots are -1 (vLLM's compact buffer leaves them unwritten: pass
+    False for it). Rows come out sorted. `extras` are per-row tensors (sampled, logprobs, ...);
+    a `sampled` token must lie in its row unless the row is empty."""
+    ids = _int_tensor(ids, "ids", 2, source)
+    counts = _int_tensor(counts, "counts", 1, source).to(ids.device)
+    n, w = ids.shape
+    if counts.numel() != n:
+        raise EngineOutputError(f"{source}: counts has {counts.numel()} entries for {n} rows of ids")
+    bad = torch.nonzero((counts < 0) | (counts > w))
+    if bad.numel():
+        r = int(bad[0])
+        raise EngineOutputError(f"{source}: row {r}: count {int(counts[r])} is outside [0, {w}] (width {w})")
+    ids = ids.to(torch.int64)
+    valid = torch.arange(w, device=ids.device)[None, :] < counts[:, None]
+    limit = vocab_size if vocab_size is not None else INT32_LIMIT
+    bad = torch.nonzero(valid & ((ids < 0) | (ids >= limit)))
+    if bad.numel():
+        r, s = (int(x) for x in bad[0])
+        raise EngineOutputError(f"{source}: row {r} slot {s}: id {int(ids[r, s])} is out of range [0, {limit})")
+    if strict_padding:
+        bad = torch.nonzero(~valid & (ids != PAD))
+        if bad.numel():
+            r, s = (int(x) for x in bad[0])
+            raise EngineOutputError(f"{source}: row {r} slot {s}: padding past count {int(counts[r])} must be "
+                                    f"{PAD}, got {int(ids[r, s])}")
+    # sort each row's valid prefix (padding pushed past it), then check distinctness
+    keyed = torch.where(valid, ids, torch.full_like(ids, INT32_LIMIT))
+    keyed = torch.sort(keyed, dim=1).values
+    if w > 1:
+        bad = torch.nonzero(valid[:, 1:] & (keyed[:, 1:] == keyed[:, :-1]))
+        if bad.numel():
+            r, s = (int(x) for x in bad[0])
+            raise EngineOutputError(f"{source}: row {r}: id {int(keyed[r, s])} appears twice")
+    token_ids = keyed[valid].to(torch.int32)  # valid slots are each row's prefix, so order holds
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    for name, v in extras.items():
+        if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.numel() != n:
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise EngineOutputError(f"{source}: {name} must be a tensor of shape [{n}], got {shape}")
+    sampled = extras.get("sampled")
+    if sampled is not None:
+        s = sampled.to(device=ids.device, dtype=torch.int64)
+        hit = (keyed == s[:, None]) & valid
+        bad = torch.nonzero(~hit.any(dim=1) & (counts > 0))
+        if bad.numel():
+            r = int(bad[0])
+            raise EngineOutputError(f"{source}: row {r}: sampled token {int(s[r])} is not among its "
+                                    f"{int(counts[r])} ids")
+    named = {k: extras.pop(k) for k in ("sampled", "logprobs", "kept_mass") if k in extras}
+    return SamplingMask(token_ids, offsets, extras=extras, metadata=dict(metadata or {}), **named)
+
+
+def _int_tensor(x, name, dim, source):
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise EngineOutputError(f"{source}: {name} is not an integer array ({exc})") from exc
+    if x.dtype not in INT_DTYPES or x.dim() != dim:
+        raise EngineOutputError(f"{source}: {name} must be a {dim}-D integer tensor, got {x.dtype} {tuple(x.shape)}")
+    return x

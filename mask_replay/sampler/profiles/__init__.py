@@ -1,0 +1,94 @@
+"""Engine profiles: the support an inference engine actually sampled from, recomputed from saved logits.
+
+`exact` is mask-replay's own definition (docs/semantics.md): ties kept whole, exact arithmetic, the
+same bits on CPU and GPU, computed by the capture kernel. The other profiles reproduce one engine's
+order of filters, its float32 arithmetic and its comparisons, so that a mask captured from the
+logits equals the engine's support (see docs/semantics.md, "Engine profiles", for what cannot match).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from mask_replay.mask import SEMANTICS
+from mask_replay.sampler.profiles import hf, sglang, vllm
+from mask_replay.sampler.profiles.common import (
+    RowParams,
+    check_logits,
+    greedy_keep,
+    keep_to_csr,
+    log_normaliser,
+    row_params,
+    scaled,
+)
+from mask_replay.sampler.profiles.mismatch import CAUSES, compare_logprobs, summarise  # noqa: F401
+
+PROFILES = ("exact", "vllm", "sglang", "hf")
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str
+    engine: str
+    greedy_rows: Callable[[RowParams], torch.Tensor]
+    keep: Callable[[torch.Tensor, RowParams], torch.Tensor]
+    temperature: Callable[[RowParams], torch.Tensor] = lambda prm: prm.temperature
+    divide_by_scalar: bool = False  # the engine divides by a Python float, not a tensor
+
+
+_ENGINES = {
+    "vllm": EngineProfile("vllm", vllm.ENGINE, vllm.greedy_rows, vllm.keep),
+    "sglang": EngineProfile("sglang", sglang.ENGINE, sglang.greedy_rows, sglang.keep, sglang.temperature),
+    "hf": EngineProfile("hf", hf.ENGINE, hf.greedy_rows, hf.keep, divide_by_scalar=True),
+}
+
+
+# The engine profiles hold about 6-7 float32-sized copies of a chunk (upcast logits, sorted values,
+# int64 sort indices, probabilities, the scattered result), the exact kernel none: chunks of saved
+# logits are this many times smaller for them, to keep the working set near the exact profile's.
+CHUNK_DIVISOR = {"exact": 1, "vllm": 8, "sglang": 8, "hf": 8}
+
+
+def check_profile(profile) -> str:
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {', '.join(PROFILES)}; got {profile!r}")
+    return profile
+
+
+def semantics(profile: str) -> str:
+    """The `semantics` string a mask captured with `profile` carries in its metadata."""
+    check_profile(profile)
+    return SEMANTICS if profile == "exact" else f"{SEMANTICS}+profile={profile}"
+
+
+def engine_of(profile: str) -> str:
+    check_profile(profile)
+    return "mask-replay exact support" if profile == "exact" else _ENGINES[profile].engine
+
+
+def engine_support(logits: torch.Tensor, profile: str, *, temperature=1.0, top_k=None, top_p=None,
+                   min_p=None, return_keep: bool = False):
+    """The support of each row under an engine profile (not "exact": that is the capture kernel).
+
+    Returns (token_ids int32, offsets int64, logz float32 [N] = logsumexp of logits / T over the
+    vocabulary, at T = 1 for greedy rows); with return_keep also the bool [N, V] support.
+    Parameters are as for `mask_replay.capture`; None means the filter is off for the whole call,
+    which matters where an engine switches a pass on for a whole batch (vLLM's top-p pass).
+    """
+    if check_profile(profile) == "exact":
+        raise ValueError("engine_support computes engine profiles; the exact profile is the capture kernel")
+    eng = _ENGINES[profile]
+    check_logits(logits)
+    n = logits.shape[0]
+    prm = row_params(n, logits.device, temperature, top_k, top_p, min_p)
+    greedy = eng.greedy_rows(prm)
+    scalar = prm.temperature_scalar if eng.divide_by_scalar else None
+    x = scaled(logits, eng.temperature(prm), greedy, scalar)
+    keep = greedy_keep(logits, greedy, eng.keep(x, prm))
+    token_ids, offsets = keep_to_csr(keep)
+    # at the temperature capture's log-probs are computed with (T = 1 only where T == 0)
+    t = prm.temperature
+    logz = log_normaliser(logits.to(torch.float32) / torch.where(t == 0, torch.ones_like(t), t).unsqueeze(1))
+    return (token_ids, offsets, logz, keep) if return_keep else (token_ids, offsets, logz)

@@ -1,0 +1,60 @@
+"""SGLang's torch-native sampler (`top_k_top_p_min_p_sampling_from_probs_torch`, sampling backend
+"pytorch"), as released in SGLang 0.5.23. Behaviour reproduced, operation by operation:
+
+- logits upcast to float32, divided by the float32 temperature, softmax in float32;
+  T < 1e-6 becomes T = 1 with top_k = 1 (SGLang's own greedy rewrite);
+- one descending sort of the probabilities (torch's default, unstable sort; or torch.topk with
+  sorted=True over the largest k when every row of the batch has 1 <= k < 2^30) and ONE float32
+  cumsum over the full distribution, before any filter;
+- top-k keeps exactly the first k ranks (a tie at the k-th value is split by the sort order);
+- top-p ("joint"): rank r is dropped when cumsum_r - p_r > p, p as float32, with p_r already zeroed
+  by top-k, so top-p measures the untruncated distribution;
+- min-p: drop p_i < p_max * float32(min_p) (the untruncated probabilities again), applied last;
+- the support is the positive filtered probabilities (tokens whose float32 probability underflows
+  to 0 cannot be drawn); when no row of the batch uses a filter, SGLang samples from the plain
+  softmax, whose support is again the positive probabilities.
+"""
+from __future__ import annotations
+
+import torch
+
+from mask_replay.sampler.profiles.common import RowParams, effective_k
+
+ENGINE = "sglang 0.5.23 (srt/layers/sampler.py, top_k_top_p_min_p_sampling_from_probs_torch)"
+GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS
+TOP_K_ALL = 1 << 30
+
+
+def greedy_rows(prm: RowParams) -> torch.Tensor:
+    # SGLang has no separate greedy branch: it rewrites the row to top_k = 1 at T = 1 (see keep).
+    return torch.zeros_like(prm.temperature, dtype=torch.bool)
+
+
+def temperature(prm: RowParams) -> torch.Tensor:
+    return torch.where(prm.temperature < GREEDY_BELOW, torch.ones_like(prm.temperature), prm.temperature)
+
+
+def keep(x: torch.Tensor, prm: RowParams) -> torch.Tensor:
+    """x: float32 [N, V], already divided by `temperature(prm)`. Returns the support as bool [N, V]."""
+    n, v = x.shape
+    greedy = prm.temperature < GREEDY_BELOW
+    k = effective_k(prm.top_k, v, TOP_K_ALL) if prm.uses_top_k else torch.full_like(prm.top_k, TOP_K_ALL)
+    k = torch.where(greedy, torch.ones_like(k), k)
+    p32 = prm.top_p.to(torch.float32) if prm.uses_top_p else torch.ones(n, dtype=torch.float32, device=x.device)
+    mp32 = prm.min_p.to(torch.float32) if prm.uses_min_p else torch.zeros(n, dtype=torch.float32, device=x.device)
+    probs = torch.softmax(x, dim=-1)
+    if not (bool((k != TOP_K_ALL).any()) or bool((p32 != 1).any()) or bool((mp32 > 0).any())):
+        return probs > 0  # the "simple sampling" branch: multinomial over the plain softmax
+    all_k = n > 0 and bool(((k >= 1) & (k < TOP_K_ALL)).all())
+    if all_k and int(k.max()) < v:
+        ps, idx = torch.topk(probs, k=int(k.max()), dim=-1, sorted=True)
+    else:
+        ps, idx = probs.sort(dim=-1, descending=True)
+    cum = torch.cumsum(ps, dim=-1)
+    ranks = torch.arange(ps.shape[1], device=x.device).view(1, -1)
+    ps[ranks >= k.view(-1, 1)] = 0.0
+    ps[(cum - ps) > p32.view(-1, 1)] = 0.0
+    if bool((mp32 > 0).any()):
+        ps[ps < (ps[:, 0] * mp32).view(-1, 1)] = 0.0
+    out = torch.zeros(n, v, dtype=torch.bool, device=x.device)
+    return out.scatter_(1, idx, ps > 0)

@@ -1,0 +1,53 @@
+"""Description of a dump or mask file from its header; only a mask's offsets are read."""
+from __future__ import annotations
+
+import torch
+
+from mask_replay.errors import DumpError
+from mask_replay.files.dumps import Dump, _dtname
+
+# A compressed .npz member declaring more than this is refused unless asked for (--force): a few
+# MB can inflate to GBs. Only the .npy headers are read either way.
+INFLATE_LIMIT = 1 << 30
+
+
+def inspect_file(path, *, force: bool = False) -> dict:
+    """describe() of the file at `path`; .npz members that inflate past INFLATE_LIMIT are refused
+    unless `force`."""
+    with Dump(path, inflate_limit=None if force else INFLATE_LIMIT) as d:
+        return describe(d)
+
+
+def describe(d: Dump) -> dict:
+    """{'kind', 'keys': [{key, shape, dtype, bytes}], 'summary': {...}, 'metadata': {...}, 'problem'}"""
+    keys = [{"key": k, "shape": list(d.shape(k)), "dtype": _dtname(d.dtype(k)), "bytes": d.nbytes(k)}
+            for k in sorted(d.keys())]
+    summary, problem = {}, None
+    if "token_ids" in d and "offsets" in d:
+        kind = "mask file"
+        shape, dt = d.shape("offsets"), d.dtype("offsets")
+        if len(shape) != 1 or shape[0] < 1 or dt != torch.int64:
+            problem = str(d.err("offsets", f"must be 1-D int64 with N+1 >= 1 entries, got {_dtname(dt)} {list(shape)}"))
+            return {"kind": kind, "keys": keys, "summary": summary, "metadata": dict(d.metadata), "problem": problem}
+        offsets = d.get("offsets")  # [N+1] int64: small, unlike the logits of a dump
+        lengths = (offsets[1:] - offsets[:-1]).double()
+        summary["rows"] = int(lengths.numel())
+        summary["nnz"] = int(d.shape("token_ids")[0]) if d.shape("token_ids") else 0
+        if lengths.numel():
+            summary.update({
+                "support size mean": float(lengths.mean()), "support size median": float(lengths.median()),
+                "support size p99": float(torch.quantile(lengths, 0.99)), "support size max": int(lengths.max()),
+                "singleton share": float((lengths == 1).double().mean()),
+            })
+    else:
+        try:
+            if "sampled" in d:
+                kind = "rollout dump"
+                n, v = d.require_rollout()
+            else:
+                kind = "training dump" if "logits" in d else "unknown"
+                n, v = d.require_logits()
+            summary.update({"rows": n, "vocab": v})
+        except DumpError as exc:
+            problem = str(exc)
+    return {"kind": kind, "keys": keys, "summary": summary, "metadata": dict(d.metadata), "problem": problem}
