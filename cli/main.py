@@ -13,6 +13,7 @@ from mask_replay.cli.example import example
 from mask_replay.cli.info import info
 from mask_replay.cli.inspect import inspect
 from mask_replay.cli.score import score
+from mask_replay.cli.selftest import selftest
 
 
 @click.group(cls=Group, context_settings=CONTEXT)
@@ -28,7 +29,7 @@ def main():
     """
 
 
-for command in (capture, score, inspect, convert, demo, example, info):
+for command in (capture, score, inspect, convert, demo, example, info, selftest):
     main.add_command(command)
 
 

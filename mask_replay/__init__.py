@@ -22,6 +22,7 @@ from mask_replay.support_stats import (  # noqa: E402
     support_kl,
     support_kl_from_hidden,
 )
+from mask_replay.tools.selftest import selftest  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -39,4 +40,5 @@ __all__ = [
     "support_kl",
     "support_entropy_from_hidden",
     "support_kl_from_hidden",
+    "selftest",
 ]

@@ -1,0 +1,1 @@
+"""The work behind the command-line tools, callable without click (one module per tool)."""
