@@ -30,8 +30,8 @@ def selftest(device, quick, only):
     result = run_selftest(None if device == "auto" else device, quick=quick, only=only, progress=line)
     if not result.cases:
         raise CliError(f"--only {only}: no case name contains it")
-    table = Table(title=f"selftest on {result.device} against {result.expectation}"
-                        f"{' (quick)' if result.quick else ''}", title_justify="left")
+    table = Table(title=f"selftest: {result.device} vs {result.expectation}{' (quick)' if result.quick else ''}",
+                  title_justify="left")
     for col in ("op", "cases", "ok", "mismatch", "error", "seconds"):
         table.add_column(col, justify="right" if col != "op" else "left", no_wrap=True)
     for op, row in result.by_op().items():
@@ -42,6 +42,6 @@ def selftest(device, quick, only):
         out.print(f"stopped at the first CUDA error, in case: {result.stopped_at}", markup=False)
     bad = len(result.failures)
     out.print(f"selftest {'PASSED' if result.ok else 'FAILED'}: {len(result.cases)} cases, {bad} failed, "
-              f"{result.seconds:.1f} s", markup=False)
+              f"{result.seconds:.1f} s ({result.device} vs {result.expectation})", markup=False)
     if not result.ok:
         raise SystemExit(1)

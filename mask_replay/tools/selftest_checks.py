@@ -9,7 +9,7 @@ Two expectations (`Target.against_cpu`):
   reference's strict and loose answers (exact wherever no cumulative mass lies within 1e-5 of p),
   the float outputs within REFERENCE_ULPS (the kernels' exp is ~1 ulp; the reference is exact).
 Gradients, both ways: |got - want| <= (4 eps(dtype) + 16 eps32) |want| + 16 eps32 max|want|. The
-hidden-state ops add the float32 dot-product bound (d + 2) eps32 |h| |w| / T to their log-probs, and
+hidden-state ops add a float32 dot-product allowance 4 sqrt(d) eps32 |h| |w| / T to their log-probs, and
 their gradients, sums over many rows or tokens in any order, are compared normwise:
 |got - want| <= 4 eps(dtype) |want| + 1e-5 max|want| (5e-2 normwise for the low-precision sparse
 weight gradient, whose duplicate rows torch sums in the weight's own dtype).
@@ -28,7 +28,7 @@ from mask_replay.tools import reference as ref
 
 EPS32 = torch.finfo(torch.float32).eps
 DEVICE_ULPS = 8
-REFERENCE_ULPS = 16
+REFERENCE_ULPS = 4  # measured: the CPU kernels stay within 0.5 ulp of the references on the full CPU matrix
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Target:
 
     @property
     def expectation(self) -> str:
-        return "the CPU kernels" if self.against_cpu else "the float64 PyTorch references"
+        return "CPU kernels" if self.against_cpu else "float64 references"
 
 
 class Lazy:
@@ -185,7 +185,7 @@ def check_capture_fixed(kernels, tg: Target, z, zd, params, params_d, bounds: La
             return f"{name}: {a.dtype} {tuple(a.shape)}, expected {b.dtype} {tuple(b.shape)}"
         if not torch.equal(a, b):
             r = _first_row((a != b).reshape(a.shape[0], -1).any(1))
-            return f"{name} differ from row {r}: {a[r].tolist()[:8]} vs {b[r].tolist()[:8]}"
+            return f"{name} differ from row {r}: {a[r].reshape(-1).tolist()[:8]} vs {b[r].reshape(-1).tolist()[:8]}"
     return None
 
 
@@ -258,11 +258,13 @@ def check_kept_mass(kernels, tg: Target, inp: dict):
 
 # ---- replay from hidden states -----------------------------------------------------------------
 def _dot_bound(inp: dict) -> float:
-    """Rounding bound of a float32 dot product of length d in any order, over the logits' scale."""
+    """Rounding error of a float32 dot product of length d over the logits' scale: 4 sqrt(d) eps32
+    |h| |w| / T (the worst case, d eps32, is never approached by random rounding and would hide real
+    errors at d = 4096)."""
     h, w, t = inp["h"].double(), inp["w"].double(), inp["t"].double()
     bias = float(inp["b"].double().abs().max()) if inp["b"] is not None else 0.0
     norm = float(h.norm(dim=1).max()) * float(w.norm(dim=1).max()) + bias
-    return (h.shape[1] + 2) * EPS32 * norm / float(t.min())
+    return 4 * math.sqrt(h.shape[1]) * EPS32 * norm / float(t.min())
 
 
 def _bias_arg(s: dict) -> torch.Tensor:
