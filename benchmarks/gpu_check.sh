@@ -67,7 +67,7 @@ finish() {
       echo "$(basename "$log" .log): ${last:-no pytest summary (killed or crashed: see the end of the log)}"
     done
     grep -hE "^(FAILED|ERROR) " "$OUT"/pytest_*.log 2>/dev/null | sort -u | head -30
-    grep -hE "ERROR SUMMARY|Invalid (__global__|__shared__|__local__)? ?(read|write)" "$OUT"/memcheck.log 2>/dev/null | head -8
+    grep -hE "ERROR SUMMARY|Invalid .*(read|write)" "$OUT"/memcheck.log 2>/dev/null | head -8
     grep -hE "^gpu_profile:|FAILED" "$OUT"/profile.log 2>/dev/null | head -5
     echo "total $((SECONDS - START))s of a ${BUDGET}s budget; logs in $OUT"
   } >>"$SUMMARY"

@@ -314,7 +314,9 @@ def all_groups(tg: Target, m: Matrix) -> Iterator[Iterator[Case]]:
 def is_cuda_error(exc: BaseException) -> bool:
     accelerator = getattr(torch, "AcceleratorError", None)
     text = str(exc)
-    return (accelerator is not None and isinstance(exc, accelerator)) or "CUDA error" in text or "illegal memory" in text
+    if accelerator is not None and isinstance(exc, accelerator):
+        return True
+    return "CUDA error" in text or "illegal memory" in text
 
 
 def resolve_device(device: Optional[str]) -> torch.device:
@@ -344,9 +346,16 @@ def selftest(device: Optional[str] = None, *, quick: bool = False, only: Optiona
             os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
         blocking = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
     tg = Target(dev, against_cpu=dev.type != "cpu")
+    matrix = MATRICES[("device" if tg.against_cpu else "cpu", quick)]
     result = SelftestResult(str(dev), tg.expectation, quick, blocking)
+    return run_cases(tg, matrix, result, only=only, progress=progress)
+
+
+def run_cases(tg: Target, matrix: Matrix, result: SelftestResult, *, only: Optional[str] = None,
+              progress: Optional[Callable[[CaseResult], None]] = None) -> SelftestResult:
+    """Runs the matrix's cases into `result`; on a device run, the first CUDA error ends it."""
     start = time.perf_counter()
-    for group in all_groups(tg, MATRICES[("device" if tg.against_cpu else "cpu", quick)]):
+    for group in all_groups(tg, matrix):
         for case in group:
             if only and only not in case.name:
                 continue
@@ -356,7 +365,7 @@ def selftest(device: Optional[str] = None, *, quick: bool = False, only: Optiona
                 status, detail = ("mismatch", problem) if problem else ("ok", "")
             except Exception as exc:  # a case that raises is a failure of that case, reported with its name
                 status, detail = "error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
-                if dev.type == "cuda" and is_cuda_error(exc):
+                if tg.against_cpu and is_cuda_error(exc):  # sticky: every later case would only repeat it
                     result.stopped_at = case.name
             record = CaseResult(case.name, case.op, status, detail, time.perf_counter() - t0)
             result.cases.append(record)

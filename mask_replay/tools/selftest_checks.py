@@ -321,7 +321,8 @@ def check_sparse_grad(replay_from_hidden, tg: Target, inp: dict, mask_of):
                                   sparse_grad=True)
         (logp * s["grad"]).sum().backward()
         gw = leaves[1].grad
-        grads = [leaves[0].grad, gw.to_dense() if gw.is_sparse else gw, leaves[2].grad if leaves[2] is not None else None]
+        gb = leaves[2].grad if leaves[2] is not None else None
+        grads = [leaves[0].grad, gw.to_dense() if gw.is_sparse else gw, gb]
         return logp.detach().cpu(), [g.cpu() if g is not None else None for g in grads]
 
     logp, got = run_on(inp["dev"], tg.device)

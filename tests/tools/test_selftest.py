@@ -73,6 +73,52 @@ def test_a_raising_op_is_an_error_and_the_run_goes_on(monkeypatch):
     assert any(c.op == "full_fwd" and c.ok for c in result.cases)  # cases after the error still ran
 
 
+def device_run_on_the_cpu(only=None):
+    """The device path (kernels against the CPU kernels) with the CPU standing in for the device:
+    the GPU branch of every check runs here, on the quick CPU shapes."""
+    result = st.SelftestResult("cpu", "CPU kernels", True, False)
+    return st.run_cases(st.Target(torch.device("cpu"), against_cpu=True), st.MATRICES[("cpu", True)], result,
+                        only=only)
+
+
+def test_the_device_path_of_every_check_runs():
+    result = device_run_on_the_cpu()
+    assert result.ok, [(c.name, c.detail) for c in result.failures]
+    assert {c.op for c in result.cases} == ALL_OPS
+
+
+def test_the_device_path_reports_a_wrong_result(monkeypatch):
+    calls = {"n": 0}
+
+    def second_call_differs(out):  # the device side runs first, then the CPU side: spoil one of them
+        calls["n"] += 1
+        return out * (1 + 1e-5) if calls["n"] % 2 else out
+
+    monkeypatch.setattr(st, "KERNELS", Broken("kept_mass", second_call_differs))
+    result = device_run_on_the_cpu(only="kept_mass 6x1000 fp32")
+    assert result.cases and all(c.status == "mismatch" and "kept_mass" in c.detail for c in result.cases)
+
+
+def test_a_cuda_error_stops_the_device_run_and_names_the_case(monkeypatch):
+    def sticky(_):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(st, "KERNELS", Broken("replay_bwd", sticky))
+    result = device_run_on_the_cpu()
+    assert result.stopped_at == result.cases[-1].name and result.cases[-1].op == "replay_bwd"
+    assert result.cases[-1].status == "error" and "illegal memory access" in result.cases[-1].detail
+    ops = [c.op for c in result.cases]
+    assert not result.ok and ops.count("replay_bwd") == 1 and "hidden_fwd" not in ops  # nothing ran after it
+
+
+def test_the_device_matrices_reach_the_shapes_the_kernels_branch_on():
+    full, quick = st.MATRICES[("device", False)], st.MATRICES[("device", True)]
+    for shape in ((1, 151936), (1, 262144), (2048, 1000), (256, 151936)):
+        assert shape in full.shapes and shape in quick.shapes
+    assert set(full.dtypes) == {torch.float32, torch.bfloat16, torch.float16}
+    assert set(full.configs) == set(st.CONFIGS) and any(hot for *_, hot in full.hidden)
+
+
 def test_cuda_errors_are_recognised():
     assert st.is_cuda_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not st.is_cuda_error(RuntimeError("top_p must be in (0, 1] (row 3)"))
