@@ -11,7 +11,7 @@ Two expectations (`Target.against_cpu`):
 Gradients, both ways: |got - want| <= (4 eps(dtype) + 16 eps32) |want| + 16 eps32 max|want|. The
 hidden-state ops add a float32 dot-product allowance 4 sqrt(d) eps32 |h| |w| / T to their log-probs, and
 their gradients, sums over many rows or tokens in any order, are compared normwise:
-|got - want| <= 4 eps(dtype) |want| + 1e-5 max|want| (5e-2 normwise for the low-precision sparse
+|got - want| <= 4 eps(dtype) |want| + HEAD_GRAD_NORMWISE max|want| (5e-2 for the low-precision sparse
 weight gradient, whose duplicate rows torch sums in the weight's own dtype).
 
 Every check returns None when it passes, else one line saying what differs and where.
@@ -29,6 +29,9 @@ from mask_replay.tools import reference as ref
 EPS32 = torch.finfo(torch.float32).eps
 DEVICE_ULPS = 8
 REFERENCE_ULPS = 4  # measured: the CPU kernels stay within 0.5 ulp of the references on the full CPU matrix
+# A hot token's weight gradient sums ~1000 rows: float32 rounding in any order is ~eps32 sqrt(n / 2) of the
+# result on each side (~3e-6 at n = 1024); a lost or doubled row or chunk is >= 1e-3.
+HEAD_GRAD_NORMWISE = 4e-5
 
 
 @dataclass(frozen=True)
@@ -309,7 +312,7 @@ def check_hidden_bwd(kernels, tg: Target, inp: dict):
 
     got = [g.cpu() if g is not None else None for g in grads_on(inp["dev"])]
     want = grads_on(inp) if tg.against_cpu else _head_grads_ref(inp)
-    return _grads_problem(got, want, inp["h"].dtype, 1e-5)
+    return _grads_problem(got, want, inp["h"].dtype, HEAD_GRAD_NORMWISE)
 
 
 def check_sparse_grad(replay_from_hidden, tg: Target, inp: dict, mask_of):
@@ -327,7 +330,7 @@ def check_sparse_grad(replay_from_hidden, tg: Target, inp: dict, mask_of):
 
     logp, got = run_on(inp["dev"], tg.device)
     dtype = inp["h"].dtype
-    normwise = 1e-5 if dtype in (torch.float32, torch.float64) else 5e-2
+    normwise = HEAD_GRAD_NORMWISE if dtype in (torch.float32, torch.float64) else 5e-2
     if tg.against_cpu:
         want_logp, want = run_on(inp, torch.device("cpu"))
         problem = ulp_problem("logp", logp, want_logp, DEVICE_ULPS, 2 * _dot_bound(inp))
