@@ -35,7 +35,7 @@ def test_quick_cpu_matrix_passes_against_the_references(quick):
     assert quick.ok, [(c.name, c.detail) for c in quick.failures]
     assert {c.op for c in quick.cases} == ALL_OPS
     names = " | ".join(c.name for c in quick.cases)
-    for needle in ("greedy", "top_k=50", "top_p=0.999", "per-row mix", "ties", "neg_inf", "flat", "bf16",
+    for needle in ("greedy", "top_k=50", "top_p=0.999", "per-row mix", "ties", "neg_inf", "flat", "bf16", "fp16",
                    "fallback", "wide supports", "hot token"):
         assert needle in names, needle
     assert sum(row["cases"] for row in quick.by_op().values()) == len(quick.cases)
