@@ -24,8 +24,8 @@ def selftest(device, quick, only):
 
     def line(case):
         mark = {"ok": "ok  ", "mismatch": "FAIL", "error": "ERR "}[case.status]
-        out.print(f"{mark} {case.name} ({case.seconds:.2f} s)" + (f": {case.detail}" if case.detail else ""),
-                  markup=False)
+        # plain echo: one unwrapped line per case, whatever the terminal width (logs are grepped)
+        click.echo(f"{mark} {case.name} ({case.seconds:.2f} s)" + (f": {case.detail}" if case.detail else ""))
 
     result = run_selftest(None if device == "auto" else device, quick=quick, only=only, progress=line)
     if not result.cases:
@@ -39,9 +39,9 @@ def selftest(device, quick, only):
                       f"{row['seconds']:.1f}")
     out.print(table)
     if result.stopped_at:
-        out.print(f"stopped at the first CUDA error, in case: {result.stopped_at}", markup=False)
+        click.echo(f"stopped at the first CUDA error, in case: {result.stopped_at}")
     bad = len(result.failures)
-    out.print(f"selftest {'PASSED' if result.ok else 'FAILED'}: {len(result.cases)} cases, {bad} failed, "
-              f"{result.seconds:.1f} s ({result.device} vs {result.expectation})", markup=False)
+    click.echo(f"selftest {'PASSED' if result.ok else 'FAILED'}: {len(result.cases)} cases, {bad} failed, "
+               f"{result.seconds:.1f} s ({result.device} vs {result.expectation})")
     if not result.ok:
         raise SystemExit(1)

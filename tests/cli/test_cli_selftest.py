@@ -43,3 +43,18 @@ def test_bad_device_and_empty_selection_are_one_line_errors():
         assert result.exit_code == 1
         lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("mask-replay: error: ") and needle in lines[0], result.stderr
+
+
+def test_a_long_mismatch_stays_on_one_line(monkeypatch):
+    class Dropping:  # capture loses the last token of the last row: a long detail line
+        def __getattr__(self, name):
+            real = getattr(torch.ops.mask_replay, name)
+            if name != "capture":
+                return real
+            return lambda *a: (lambda ids, off, lz: (ids[:-1], torch.cat([off[:-1], off[-1:] - 1]), lz))(*real(*a))
+
+    monkeypatch.setattr(st, "KERNELS", Dropping())
+    result = run("--device", "cpu", "--quick", "--only", "capture 40x200 fp32 top_k=50")
+    assert result.exit_code == 1
+    failed = [ln for ln in result.output.splitlines() if ln.startswith("FAIL capture 40x200 fp32 top_k=50 ")]
+    assert len(failed) == 1 and "token(s) the reference requires are missing (first id" in failed[0], result.output
