@@ -78,6 +78,11 @@ finish() {
 trap 'note "INTERRUPTED"; finish; exit 130' INT TERM
 
 # ---- 0. versions (cheap; tells what machine this was) --------------------------------------------
+# `python -m mask_replay` needs mask_replay.cli, which an install maps to the top-level cli/ folder
+# (setup.py package_dir); a bare copy of the tree has no install, so link it as the worktrees do.
+if [ ! -e mask_replay/cli ]; then
+  ln -s ../cli mask_replay/cli && note "linked mask_replay/cli -> ../cli (no install here)"
+fi
 NVCC=$(command -v nvcc || true)
 [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
 if [ -z "${CUDA_HOME:-}" ] && [ -n "$NVCC" ]; then
