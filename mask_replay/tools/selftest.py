@@ -27,9 +27,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from mask_replay.mask import SamplingMask
+# From the package root (imported by its __init__ after both are defined there): no module paths.
+from mask_replay import SamplingMask, replay_logprobs_from_hidden
 from mask_replay.params import expand_params
-from mask_replay.replay import replay_logprobs_from_hidden
 from mask_replay.tools import selftest_checks as checks
 from mask_replay.tools.selftest_checks import Lazy, Target
 
