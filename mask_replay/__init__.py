@@ -15,6 +15,7 @@ from mask_replay.trainer.support_stats import (
     support_kl,
     support_kl_from_hidden,
 )
+from mask_replay.tools.selftest import selftest
 
 __all__ = [
     "__version__",
@@ -32,4 +33,5 @@ __all__ = [
     "support_kl",
     "support_entropy_from_hidden",
     "support_kl_from_hidden",
+    "selftest",
 ]

@@ -86,7 +86,8 @@ def _capture_fixed_fake(logits, temperature, top_k, top_p, min_p, width):
 def _replay_fwd_fake(logits, token_ids, offsets, sampled, temperature, fallback):
     n = logits.shape[0]
     out = _out_dtype(logits)
-    return logits.new_empty((n,), dtype=out), logits.new_empty((n,), dtype=out), logits.new_empty((n,), dtype=torch.int8)
+    status = logits.new_empty((n,), dtype=torch.int8)
+    return logits.new_empty((n,), dtype=out), logits.new_empty((n,), dtype=out), status
 
 
 def _replay_setup(ctx, inputs, output):
@@ -145,7 +146,8 @@ def _kept_mass_fake(logits, token_ids, offsets, temperature):
 def _hidden_fwd_fake(hidden, weight, bias, token_ids, offsets, sampled, temperature, fallback):
     n = hidden.shape[0]
     out = _out_dtype(hidden)
-    return hidden.new_empty((n,), dtype=out), hidden.new_empty((n,), dtype=out), hidden.new_empty((n,), dtype=torch.int8)
+    status = hidden.new_empty((n,), dtype=torch.int8)
+    return hidden.new_empty((n,), dtype=out), hidden.new_empty((n,), dtype=out), status
 
 
 def _hidden_setup(ctx, inputs, output):

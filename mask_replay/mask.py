@@ -36,7 +36,8 @@ class SamplingMask:
         # Only types here (O(1)): the values are checked by validate() and by the ops.
         for name in ("token_ids", "offsets"):
             if not isinstance(getattr(self, name), torch.Tensor):
-                raise MaskFormatError(f"SamplingMask: {name} must be a tensor, got {type(getattr(self, name)).__name__}")
+                got = type(getattr(self, name)).__name__
+                raise MaskFormatError(f"SamplingMask: {name} must be a tensor, got {got}")
         for name in _ROW_EXTRAS:
             v = getattr(self, name)
             if v is not None and not isinstance(v, torch.Tensor):

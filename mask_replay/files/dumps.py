@@ -112,7 +112,8 @@ class Dump:
             if not info.filename.endswith(".npy"):
                 continue
             key = info.filename[:-4]
-            if inflate_limit is not None and info.compress_type != zipfile.ZIP_STORED and info.file_size > inflate_limit:
+            compressed = info.compress_type != zipfile.ZIP_STORED
+            if inflate_limit is not None and compressed and info.file_size > inflate_limit:
                 raise DumpError(f"{self.path}: key '{key}': compressed member inflates to {info.file_size:,} bytes "
                                 f"({info.compress_size:,} stored), over the {inflate_limit:,}-byte limit; "
                                 "pass --force to read it anyway")
@@ -171,7 +172,8 @@ class Dump:
         size = torch.empty(0, dtype=dt).element_size() if isinstance(dt, torch.dtype) else 0
         return int(np.prod(self._shapes[key], dtype=np.int64)) * size
 
-    def get(self, key, start: Optional[int] = None, stop: Optional[int] = None, *, stream: bool = False) -> torch.Tensor:
+    def get(self, key, start: Optional[int] = None, stop: Optional[int] = None, *,
+            stream: bool = False) -> torch.Tensor:
         """Rows [start, stop) of `key` (the whole tensor when both are None); reads only those rows.
 
         stream=True (safetensors, for chunk loops over logits): the rows are a view of the file's

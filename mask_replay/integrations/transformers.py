@@ -221,7 +221,8 @@ def generate(model, inputs, recorder: Union[MaskRecorder, SupportWarper, None] =
         raise ValueError("generate: beam search is not supported (num_beams must be 1)")
     clash = sorted(set(kwargs) & (set(WARPERS_OFF) | {"do_sample"}))
     if clash:
-        raise ValueError(f"generate: pass {', '.join(clash)} as this function's sampling arguments, not to model.generate")
+        raise ValueError(f"generate: pass {', '.join(clash)} as this function's sampling arguments, "
+                         "not to model.generate")
     if isinstance(recorder, SupportWarper):
         if (temperature, top_k, top_p, min_p) != (1.0, None, None, None):
             raise ValueError("generate: with a SupportWarper the sampling parameters are the warper's; "
@@ -235,7 +236,8 @@ def generate(model, inputs, recorder: Union[MaskRecorder, SupportWarper, None] =
     user = list(kwargs.pop("logits_processor", None) or [])
     recorder.reset()
     recorder.eos_token_id = _eos_of(model) if kwargs.get("eos_token_id") is None else kwargs["eos_token_id"]
-    call = dict(kwargs, do_sample=True, return_dict_in_generate=True, logits_processor=LogitsProcessorList(user + chain),
+    call = dict(kwargs, do_sample=True, return_dict_in_generate=True,
+                logits_processor=LogitsProcessorList(user + chain),
                 **WARPERS_OFF)
     output = model.generate(**inputs, **call) if isinstance(inputs, Mapping) else model.generate(inputs, **call)
     return output, recorder.mask(output)

@@ -65,7 +65,8 @@ def _attach_sampled(mask, logits, sampled, t, outside):
         bad = torch.nonzero((sampled < 0) | (sampled >= v))
         if bad.numel():
             r = int(bad[0])
-            raise InputError(f"sampled token {int(sampled[r])} out of range [0, {v}) in row {{row}}", key="sampled", row=r)
+            raise InputError(f"sampled token {int(sampled[r])} out of range [0, {v}) in row {{row}}", key="sampled",
+                             row=r)
     greedy = t == 0
     # Greedy rows have a single-token support: log-prob 0 and all the (limit) mass, when the
     # sampled token is that token. Replay them at T = 1, which gives the same support answer.

@@ -242,6 +242,7 @@ def _capture_chunk(d: Dump, a: int, b: int, job: _Job):
         extras[k] = d.get(k, a, b).to(torch.int64)
     extras["outside_support"] = m.extras.get("outside_support", torch.zeros(b - a, dtype=torch.bool)).cpu()
     if compare:  # per-row cause codes; -1 for rows whose dump has no rollout_logprobs
-        extras["logprob_mismatch"] = check_rows(logits, sampled, params["temperature"], extras["logprobs"],
-                                                m.logprobs, tol) if has_lp else torch.full((b - a,), -1, dtype=torch.int8)
+        extras["logprob_mismatch"] = (
+            check_rows(logits, sampled, params["temperature"], extras["logprobs"], m.logprobs, tol) if has_lp
+            else torch.full((b - a,), -1, dtype=torch.int8))
     return m, extras

@@ -12,7 +12,8 @@ PANELS = (
 )
 
 
-def plot_report(report: dict, path, title: str = "rollout vs training log-probs", xlabel: str = "training step") -> None:
+def plot_report(report: dict, path, title: str = "rollout vs training log-probs",
+                xlabel: str = "training step") -> None:
     """Four panels over steps (or whatever the report's per_step keys count: `xlabel`); written atomically as PNG."""
     import matplotlib
 

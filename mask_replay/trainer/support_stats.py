@@ -85,7 +85,8 @@ def support_entropy(logits: torch.Tensor, mask, temperature=1.0, *, loss_mask=No
     _check_logits(op, logits)
     where, n, placement = _positions(op, logits, loss_mask)
     ids, _, rows = mask_csr(mask, n, logits.shape[-1], logits.device, op)
-    t = temperature_per_row(temperature, n, logits.device, allow_zero=False, op=op, check_values=True).to(compute_dtype(logits.dtype))
+    t = temperature_per_row(temperature, n, logits.device, allow_zero=False, op=op, check_values=True)
+    t = t.to(compute_dtype(logits.dtype))
     x = _gather(logits, where, rows, ids, t[rows])
     return _place(_entropy(x, rows, n), placement, output_dtype(out_dtype, logits.dtype, op))
 
@@ -102,7 +103,8 @@ def support_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, mask, temperature
                          f"{tuple(logits_q.shape)} on {logits_q.device} must have one shape and device")
     where, n, placement = _positions(op, logits_p, loss_mask)
     ids, _, rows = mask_csr(mask, n, logits_p.shape[-1], logits_p.device, op)
-    t = temperature_per_row(temperature, n, logits_p.device, allow_zero=False, op=op, check_values=True).to(compute_dtype(logits_p.dtype))
+    t = temperature_per_row(temperature, n, logits_p.device, allow_zero=False, op=op, check_values=True)
+    t = t.to(compute_dtype(logits_p.dtype))
     xp = _gather(logits_p, where, rows, ids, t[rows])
     xq = _gather(logits_q, where, rows, ids, t[rows]).to(xp.dtype)
     return _place(_kl(xp, xq, rows, n), placement, output_dtype(out_dtype, logits_p.dtype, op))
@@ -112,7 +114,8 @@ def _head_logits(op, hidden, weight, bias, mask, temperature, sparse_grad, name=
     check_head(op + name, hidden, weight, bias)
     n = hidden.shape[0]
     ids, offsets, rows = mask_csr(mask, n, weight.shape[0], hidden.device, op)
-    t = temperature_per_row(temperature, n, hidden.device, allow_zero=False, op=op, check_values=True).to(compute_dtype(hidden.dtype))
+    t = temperature_per_row(temperature, n, hidden.device, allow_zero=False, op=op, check_values=True)
+    t = t.to(compute_dtype(hidden.dtype))
     return support_logits(hidden, weight, bias, offsets, rows, ids, sparse_grad=sparse_grad) / t[rows], rows, n
 
 

@@ -117,6 +117,7 @@ def test_capture_twice_gives_identical_bytes(tmp_path):
     assert list(meta) == sorted(meta)
 
 
+@pytest.mark.slow
 def test_mask_save_is_reproducible_across_processes(tmp_path):
     code = ("import sys, torch, mask_replay; m = mask_replay.SamplingMask.from_lists([[1, 2], [3]], "
             "sampled=torch.tensor([1, 3]), step=torch.tensor([0, 1]), metadata={f'k{i}': i for i in range(20)}); "
@@ -198,6 +199,7 @@ def _peak_rss_mb(args) -> float:
     return float(out.stdout.split("PEAK")[-1])
 
 
+@pytest.mark.slow
 def test_capture_and_score_memory_is_bounded_by_the_chunk(tmp_path):
     """256 MB of flat fp32 rows at top-p .95 make a ~250 MB mask; capture and score in chunks of 64
     rows (8 MB) must stay far below either size (before streaming, capture held the dump's pages,
@@ -222,6 +224,7 @@ def test_capture_and_score_memory_is_bounded_by_the_chunk(tmp_path):
     assert peak - base < 100, (peak, base)
 
 
+@pytest.mark.slow
 def test_inspect_memory_does_not_inflate_npz(tmp_path):
     npz = tmp_path / "zeros.npz"
     np.savez_compressed(npz, logits=np.zeros((2048, 32768), np.float32), sampled=np.zeros(2048, np.int64))

@@ -149,6 +149,7 @@ def test_hostile_call_raises_a_clean_error(hostile_results, name):
     assert "\n" not in message.split(" (")[0]
 
 
+@pytest.mark.slow
 def test_fuzz_loop_survives_hostile_inputs():
     """A few seconds of the ASAN fuzz loop with the normal build: a crash fails the test."""
     r = subprocess.run([sys.executable, os.path.join(HERE, "fuzz_ops.py"), "--seconds", "4", "--seed", "1"],

@@ -17,6 +17,9 @@ from mask_replay.tools.launch import share
 from mask_replay.tools.torchrun import merge_masks
 from tests.helpers import torchrun
 
+# every test here launches torchrun (several Python processes importing torch)
+pytestmark = pytest.mark.slow
+
 WORKER = os.path.join(os.path.dirname(__file__), "torchrun_worker.py")
 ROWS = (23, 18)  # two rollout files; 41 rows split unevenly over 2 and 3 ranks
 V = 60

@@ -11,6 +11,7 @@ from tests.helpers import torchrun
 WORKER = os.path.join(os.path.dirname(__file__), "vocab_parallel_worker.py")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_vocab_parallel_matches_single_process(nproc):
     proc = torchrun(nproc, WORKER, timeout=90)
