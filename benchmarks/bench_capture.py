@@ -2,7 +2,8 @@
 
     python benchmarks/bench_capture.py [--reps 15] [--dist llm|flat] [--shapes 64x151936,...]
 
-Prints medians (ms, all functions of a row run round-robin) and ratios. The logits are LLM-like by default (a few strong candidates over a
+Prints medians (ms, all functions of a row run round-robin) and ratios. The logits are LLM-like by default (a
+few strong candidates over a
 long Gaussian tail, as LM heads produce: supports of a few to a few hundred tokens); --dist flat
 uses N(0, 1) rows, a worst case where top-p keeps most of the vocabulary.
 """

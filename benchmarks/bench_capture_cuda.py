@@ -8,10 +8,10 @@ and FlashInfer's top_p_renorm_probs / top_k_mask_logits when flashinfer imports.
 of CUDA-event measurements.
 """
 import argparse
-import statistics
 import sys
 
 import torch
+from timing import time_us
 
 CASES = [  # (rows, vocab, dtype, filter)
     (256, 151936, torch.float32, "top_p"),
@@ -24,21 +24,7 @@ CASES = [  # (rows, vocab, dtype, filter)
     (256, 151936, torch.bfloat16, "top_k"),
 ]
 TOP_P, TOP_K, WIDTH = 0.95, 50, 4096
-
-
-def time_us(fn, iters):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
+DEVICE = torch.device("cuda")
 
 
 def sort_top_p(logits, p):
@@ -88,23 +74,23 @@ def main():
         logits = (torch.randn(n, v, device="cuda", generator=g) * 3).to(dtype)
         kw = dict(top_p=TOP_P) if what == "top_p" else dict(top_k=TOP_K)
         t, k, p, mp = expand_params(n, logits.device, 1.0, kw.get("top_k"), kw.get("top_p"), None)
-        cap = time_us(lambda: ops.capture(logits, t, k, p, mp, False), args.iters)
-        fixed = time_us(lambda: ops.capture_fixed(logits, t, k, p, mp, WIDTH), args.iters)
-        read = time_us(lambda: torch.sum(logits), args.iters)
+        cap = time_us(lambda: ops.capture(logits, t, k, p, mp, False), args.iters, DEVICE)
+        fixed = time_us(lambda: ops.capture_fixed(logits, t, k, p, mp, WIDTH), args.iters, DEVICE)
+        read = time_us(lambda: torch.sum(logits), args.iters, DEVICE)
         if what == "top_p":
-            sort = time_us(lambda: sort_top_p(logits, TOP_P), max(10, args.iters // 10))
+            sort = time_us(lambda: sort_top_p(logits, TOP_P), max(10, args.iters // 10), DEVICE)
         else:
-            sort = time_us(lambda: sort_top_k(logits, TOP_K), max(10, args.iters // 10))
-        topk = time_us(lambda: torch.topk(logits, TOP_K, dim=-1), args.iters)
+            sort = time_us(lambda: sort_top_k(logits, TOP_K), max(10, args.iters // 10), DEVICE)
+        topk = time_us(lambda: torch.topk(logits, TOP_K, dim=-1), args.iters, DEVICE)
         fi_t = float("nan")
         if fi is not None:
             try:
                 if what == "top_p":
                     probs = torch.softmax(logits.float(), dim=-1)
-                    fi_t = time_us(lambda: fi[0](probs, TOP_P), args.iters)
+                    fi_t = time_us(lambda: fi[0](probs, TOP_P), args.iters, DEVICE)
                 else:
                     lf = logits.float()
-                    fi_t = time_us(lambda: fi[1](lf, TOP_K), args.iters)
+                    fi_t = time_us(lambda: fi[1](lf, TOP_K), args.iters, DEVICE)
             except Exception as exc:  # keep the other figures if one call fails
                 print(f"  flashinfer call failed: {exc}")
         name = f"[{n},{v}] {str(dtype).replace('torch.', '')} {what}"

@@ -9,7 +9,8 @@
 
 Every path runs in its own subprocess, so one path's allocations cannot hide another's. Memory:
 on CPU the peak resident set of that process (VmHWM, reset once the inputs exist; ru_maxrss
-where the reset is not allowed) minus its resident set at that point, i.e. what the path itself adds at its peak, including anything the allocator held on to;
+where the reset is not allowed) minus its resident set at that point, i.e. what the path itself adds at its
+peak, including anything the allocator held on to;
 on CUDA torch.cuda.max_memory_allocated minus the allocation after the inputs. Times are medians
 of --runs runs after one warm-up.
 """

@@ -4,8 +4,10 @@
 
 N rows, V = 151936, the support sizes of bench_replay.py (mean |K| = 8). The single-process
 mask_replay.replay_logprobs on fp32 logits [N, V] runs with 1 thread and with as many threads as
-the machine has cores (at most the largest rank count); each vocab-parallel run is `torchrun --nproc-per-node P` with one thread per
-rank, each rank holding its [N, V/P] shard (1 rank: the torch composition itself, no sharding). An iteration is timed from a barrier to the end of the
+the machine has cores (at most the largest rank count); each vocab-parallel run is `torchrun --nproc-per-node
+P` with one thread per
+rank, each rank holding its [N, V/P] shard (1 rank: the torch composition itself, no sharding). An iteration
+is timed from a barrier to the end of the
 backward on every rank, and its time is the slowest rank's; figures are medians of --runs after
 one warm-up. Each configuration runs in its own process(es).
 """

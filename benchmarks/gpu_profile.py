@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
+from timing import time_us
 from torch.profiler import ProfilerActivity, profile
 
 import mask_replay
@@ -27,29 +26,6 @@ from mask_replay.params import expand_params
 
 ops = torch.ops.mask_replay
 RESULTS: list = []
-
-
-def time_us(fn, iters: int, device: torch.device) -> float:
-    """Median time of fn in microseconds (CUDA events on a GPU, the host clock on the CPU)."""
-    for _ in range(3):
-        fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
 
 
 def report(section: str, case: str, **times_us):

@@ -136,7 +136,8 @@ README_NAMES = [
     "mask_replay.SamplingMask.from_vllm", "mask_replay.SamplingMask.from_sglang", "mask_replay.SamplingMask.align",
     "mask_replay.SamplingMask.to_padded", "mask_replay.SamplingMask.from_padded", "mask_replay.SamplingMask.load",
     "mask_replay.MaskFormatError", "mask_replay.OutsideSupportError",
-    "mask_replay.trainer.replay_logprobs_vocab_parallel", "mask_replay.trainer.replay_logprobs_vocab_parallel_from_hidden",
+    "mask_replay.trainer.replay_logprobs_vocab_parallel",
+    "mask_replay.trainer.replay_logprobs_vocab_parallel_from_hidden",
 ]
 
 

@@ -191,7 +191,8 @@ def _peak_rss_mb(args) -> float:
     """Peak resident memory (MB) of the CLI run in a fresh process."""
     # VmHWM, not ru_maxrss: the latter survives exec, so a child forked from a big pytest reports it
     code = ("import sys\nfrom mask_replay.cli.main import main\n"
-            "try:\n    main(sys.argv[1:], prog_name='mask-replay')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "try:\n    main(sys.argv[1:], prog_name='mask-replay')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
             "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0]\n"
             "print('PEAK', int(hwm.split()[1]) / 1024)")
     out = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=ENV)

@@ -296,7 +296,8 @@ def test_exact_profile_is_todays_kernel(seed, n, top_p, top_k, min_p, t):
     default = mask_replay.capture(z, **kw)
     exact = mask_replay.capture(z, profile="exact", **kw)
     assert exact == default and exact.metadata == default.metadata
-    ops = torch.ops.mask_replay.capture(z, *mask_replay.params.expand_params(n, z.device, t, top_k, top_p, min_p), False)
+    params = mask_replay.params.expand_params(n, z.device, t, top_k, top_p, min_p)
+    ops = torch.ops.mask_replay.capture(z, *params, False)
     assert torch.equal(exact.token_ids, ops[0]) and torch.equal(exact.offsets, ops[1])
 
 

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mask_replay as mr
+from mask_replay.trainer.replay import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE
 from tests.helpers import DEVICES, hidden_ref
 
 
@@ -51,7 +52,7 @@ def test_sparse_matches_dense_path_fp64(device, fallback_rows):
     torch.testing.assert_close(lp_s, hidden_ref(h, w, b, mask.to_dense(30), y, t, fallback=True), rtol=0, atol=1e-12)
     assert st_s.tolist() == st_d.tolist()
     if fallback_rows:
-        assert st_s.tolist().count(mr.trainer.replay.FELL_BACK_OUTSIDE) == 2 and st_s[3] == mr.trainer.replay.FELL_BACK_EMPTY
+        assert st_s.tolist().count(FELL_BACK_OUTSIDE) == 2 and st_s[3] == FELL_BACK_EMPTY
     assert gw_s.layout == torch.sparse_coo and gw_d.layout == torch.strided
     torch.testing.assert_close(gw_s.to_dense(), gw_d, rtol=0, atol=1e-12)
     torch.testing.assert_close(gh_s, gh_d, rtol=0, atol=1e-12)

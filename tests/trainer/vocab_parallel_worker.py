@@ -11,7 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root: tests.helpers
+# the repository root, for tests.helpers (this file runs as a script under torchrun)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import mask_replay  # noqa: E402
 from mask_replay import SamplingMask  # noqa: E402
 from mask_replay.trainer.vocab_parallel import (  # noqa: E402
@@ -124,8 +125,10 @@ def main():
         hatol = 1e-9 if hidden.dtype == torch.float64 else 2e-6
         hrtol = 0.0 if hidden.dtype == torch.float64 else 1e-6  # weight gradients sum over rows: > 1
         check(f"trial {trial} hidden values", got, want, hatol)
-        gh, gw, gb = grads(lambda h, w, b: mask_replay.replay_logprobs_from_hidden(h, w, mask, y, temp, b, fallback=True),
-                           hidden, weight, bias)
+        def single(h, w, b):
+            return mask_replay.replay_logprobs_from_hidden(h, w, mask, y, temp, b, fallback=True)
+
+        gh, gw, gb = grads(single, hidden, weight, bias)
         ph, pw, pb = grads(lambda h, w, b: replay_logprobs_vocab_parallel_from_hidden(
             h, w, mask, y, vocab_start=lo, temperature=temp, bias_shard=b, fallback=True),
             hidden, weight[lo:lo + size], bias[lo:lo + size])
