@@ -8,7 +8,7 @@ import importlib
 
 import click
 
-from mask_replay.cli.common import CONTEXT, Group
+from mask_replay.cli.common import CONTEXT, CliError, Group
 from mask_replay.version import __version__
 
 # command name -> module of cli/ defining a click command of the same name
@@ -22,7 +22,21 @@ class LazyGroup(Group):
     def get_command(self, ctx, name):
         if name not in COMMANDS:
             return None
-        return getattr(importlib.import_module(f"mask_replay.cli.{name}"), name)
+        try:
+            return getattr(importlib.import_module(f"mask_replay.cli.{name}"), name)
+        except ImportError as exc:  # an optional dependency (the [hf] extra) is missing
+            return _unavailable(name, str(exc).splitlines()[0])
+
+
+def _unavailable(name: str, reason: str) -> click.Command:
+    """A command whose module cannot be imported here: listed in --help with the reason, and one
+    error line (exit 1) when run."""
+
+    def run(**_):
+        raise CliError(f"{name}: {reason}")
+
+    return click.Command(name, callback=run, help=f"(unavailable: {reason})",
+                         context_settings=dict(CONTEXT, ignore_unknown_options=True, allow_extra_args=True))
 
 
 @click.group(cls=LazyGroup, context_settings=CONTEXT)

@@ -455,3 +455,23 @@ def test_plot_needs_steps(tmp_path):
                  "--plot", tmp_path / "s.png")
     assert_one_line_error(result, "s.png", "no 'step' key")
     assert_clean(tmp_path, "s.json", "s.png")
+
+
+def test_a_command_whose_optional_dependency_is_missing_is_one_line_and_listed():
+    """Without transformers, `example` is listed as unavailable and refuses in one line (exit 1), and
+    every other command still works: a command's module is imported only when it is used."""
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from mask_replay.cli.main import main\n"
+            "main(sys.argv[1:], prog_name='mask-replay')\n")
+
+    def run_it(*args):
+        return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+
+    out = run_it("example", "--out", "nowhere")
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "mask-replay: error: example: mask_replay.integrations.transformers needs transformers: "
+        "pip install 'mask-replay[hf]'"]
+    assert not os.path.exists("nowhere")
+    listing = run_it("--help")
+    assert listing.returncode == 0 and "unavailable" in listing.stdout and "capture" in listing.stdout
