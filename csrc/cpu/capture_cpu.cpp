@@ -19,7 +19,7 @@
 #include "capture_checks.h"
 #include "capture_cpu_loops.h"
 #include "capture_cpu_select.h"
-#include "kernel_math.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 namespace cpu {

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernel_math.h"
+#include "kernels/kernel_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

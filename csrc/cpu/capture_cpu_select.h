@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernel_math.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 namespace cpu {

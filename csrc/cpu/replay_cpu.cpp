@@ -15,7 +15,7 @@
 
 #include "capture_cpu_loops.h"
 #include "replay_checks.h"
-#include "replay_math.h"
+#include "kernels/replay_math.h"
 
 namespace mask_replay {
 namespace {

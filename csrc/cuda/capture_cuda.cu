@@ -32,9 +32,9 @@
 #include <tuple>
 
 #include "capture_checks.h"
-#include "capture_scan.h"
-#include "capture_select.h"
-#include "kernel_math.h"
+#include "kernels/capture_scan.h"
+#include "kernels/capture_select.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 namespace {

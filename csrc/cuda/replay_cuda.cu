@@ -15,7 +15,7 @@
 
 #include "replay_checks.h"
 #include "replay_hidden.h"
-#include "replay_math.h"
+#include "kernels/replay_math.h"
 
 namespace mask_replay {
 namespace {

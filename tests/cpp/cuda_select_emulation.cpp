@@ -3,8 +3,8 @@
 // "block", against a brute-force transcription of the semantics. It lets machines without a GPU
 // check the selection logic; the kernel's memory protocol itself needs the GPU tests.
 // Usage: cuda_select_emulation [candidate capacity]; exit status 0 iff no mismatch.
-#include "capture_scan.h"
-#include "capture_select.h"
+#include "kernels/capture_scan.h"
+#include "kernels/capture_select.h"
 #include <cstdio>
 #include <cstdlib>
 #include <cmath>

@@ -2,7 +2,7 @@
 // 256-bin digit histogram. They only choose a bucket; every value they compare comes from
 // kernel_math.h, so the threshold they converge to is the one the semantics define.
 #pragma once
-#include "kernel_math.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 
