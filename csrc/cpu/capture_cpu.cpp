@@ -19,6 +19,7 @@
 #include "capture_checks.h"
 #include "capture_cpu_loops.h"
 #include "capture_cpu_select.h"
+#include "kernels/det_log.h"
 #include "kernels/kernel_math.h"
 
 namespace mask_replay {
@@ -180,7 +181,7 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   const float* x = in_place ? reinterpret_cast<const float*>(z) : s.x.data();
   const float m = lr.max;
   const bool with_min_p = min_p_active(prm.min_p);
-  const float thr = with_min_p ? mr_add(m, static_cast<float>(std::log(prm.min_p))) : kLowestFinite;
+  const float thr = with_min_p ? mr_add(m, det_log(prm.min_p)) : kLowestFinite;
   const bool use_top_p = top_p_active(prm.top_p);
   const int64_t k = prm.top_k;
 

@@ -4,7 +4,7 @@
 // Every row's support is {i : x_i finite, order_key(x_i) >= max(K0, K1, K2)} with K0 the min-p
 // threshold, K1 the k-th largest key and K2 the top-p key, because each filter keeps an upper set
 // of keys. The kernels therefore only have to find three keys per row; all decisions go through
-// kernel_math.h / capture_select.h, so they match the CPU kernel bit for bit.
+// kernels/ (kernel_math.h, det_log.h, capture_select.h), so they match the CPU kernel bit for bit.
 //
 // A row is split over B blocks (B > 1 when rows are few, so batch 1 fills the GPU). Each pass is
 // one launch over all N * B blocks; the blocks of a row merge their histograms in global memory
@@ -34,6 +34,7 @@
 #include "capture_checks.h"
 #include "kernels/capture_scan.h"
 #include "kernels/capture_select.h"
+#include "kernels/det_log.h"
 #include "kernels/kernel_math.h"
 
 namespace mask_replay {
@@ -126,8 +127,7 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
              const int64_t* __restrict__ top_k, const double* __restrict__ top_p,
-             const double* __restrict__ min_p, const float* __restrict__ log_min_p,
-             RowState* __restrict__ states, int64_t* __restrict__ status_out) {
+             const double* __restrict__ min_p, RowState* __restrict__ states, int64_t* __restrict__ status_out) {
   const Slice sl = my_slice(g);
   const scalar_t* z = logits + sl.row * g.row_stride;
   RowState* st = states + sl.row;
@@ -222,8 +222,7 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
   const float m = key_value(atomicMax(&st->max_key, 0u));
   st->m = m;
   if (min_p_active(mp)) {
-    const float lm = log_min_p ? log_min_p[sl.row] : static_cast<float>(log(mp));
-    st->k0 = order_key(mr_add(m, lm));
+    st->k0 = order_key(mr_add(m, det_log(mp)));  // the CPU kernel's log, bit for bit
   } else {
     st->k0 = order_key(kLowestFinite);
   }
@@ -572,7 +571,7 @@ T* ptr_or_null(const at::Tensor& t) {
 template <typename scalar_t>
 void select_support(const at::Tensor& z, const Geometry& g, Workspace& w, const at::Tensor& temperature,
                     const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
-                    const float* log_min_p, float* logz, bool any_topk, bool any_topp) {
+                    float* logz, bool any_topk, bool any_topp) {
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const scalar_t* zp = reinterpret_cast<const scalar_t*>(z.data_ptr());
   const dim3 grid(static_cast<unsigned int>(g.n * g.blocks_per_row));
@@ -585,7 +584,7 @@ void select_support(const at::Tensor& z, const Geometry& g, Workspace& w, const 
   auto* cm = ptr_or_null<unsigned long long>(w.cand_mass);
 
   stats_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(zp, g, t, top_k.data_ptr<int64_t>(), p,
-                                                        min_p.data_ptr<double>(), log_min_p, states,
+                                                        min_p.data_ptr<double>(), states,
                                                         w.status.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const bool want_logz = logz != nullptr;
@@ -668,9 +667,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
   const auto dev = logits.options();
   const int64_t n = logits.size(0), v = logits.size(1);
 
-  // The parameters are tiny; checking them on the host gives the CPU kernel's messages, and the
-  // min-p logs are taken with the host's log so that K0 is the CPU kernel's exactly. One copy (one
-  // sync) brings all four: 8-byte types first keeps every slice aligned for its dtype.
+  // The parameters are tiny; checking them on the host gives the CPU kernel's messages and tells
+  // which passes any row needs. One copy (one sync) brings all four: 8-byte types first keeps
+  // every slice aligned for its dtype.
   const at::Tensor tt = temperature.contiguous(), kk = top_k.contiguous(), pp = top_p.contiguous(),
                    mm = min_p.contiguous();
   const at::Tensor packed =
@@ -686,29 +685,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
   TORCH_CHECK(v > 0, "capture: row 0 has no finite logit");
 
   bool any_topk = false, any_topp = false;
-  at::Tensor log_mp_h = at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
   {
     const int64_t* k = k_h.data_ptr<int64_t>();
     const double* p = p_h.data_ptr<double>();
-    const double* mp = mp_h.data_ptr<double>();
     const float* t = t_h.data_ptr<float>();
-    float* lm = log_mp_h.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {
       const bool sampled = t[r] != 0.0f;
       any_topk |= sampled && k[r] > 0;
       any_topp |= sampled && top_p_active(p[r]);
-      lm[r] = min_p_active(mp[r]) ? static_cast<float>(std::log(mp[r])) : 0.0f;
     }
   }
-  const at::Tensor log_mp = log_mp_h.to(logits.device(), /*non_blocking=*/true);
 
   const at::Tensor z = rows_view(logits);
   const Geometry g = make_geometry(z);
   Workspace w = make_workspace(g, dev);
   dispatch_logits(z.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    select_support<scalar_t>(z, g, w, tt, kk, pp, mm, log_mp.data_ptr<float>(),
-                             compute_logz ? logz.data_ptr<float>() : nullptr, any_topk, any_topp);
+    select_support<scalar_t>(z, g, w, tt, kk, pp, mm, compute_logz ? logz.data_ptr<float>() : nullptr, any_topk,
+                             any_topp);
   });
 
   // Block b of row r writes at the running total of all earlier (row, block) counts.
@@ -756,7 +750,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cuda(const at::Tens
   // No host look at the parameters here: every pass is launched and idle rows return at once.
   dispatch_logits(z.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    select_support<scalar_t>(z, g, w, tt, kk, pp, mm, nullptr, nullptr, true, true);
+    select_support<scalar_t>(z, g, w, tt, kk, pp, mm, nullptr, true, true);
   });
 
   const at::Tensor per_block = w.block_counts.view({n, g.blocks_per_row});

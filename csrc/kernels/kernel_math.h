@@ -1,6 +1,7 @@
 // Math shared by the CPU and CUDA kernels. Everything that decides which tokens enter a support
-// lives here, written with explicitly rounded operations, so both devices take the same decision
-// bit for bit (the host build uses -ffp-contract=off, the device build --fmad=false).
+// lives here (and the min-p log in det_log.h), written with explicitly rounded operations, so both
+// devices take the same decision bit for bit (the host build uses -ffp-contract=off, the device
+// build --fmad=false).
 #pragma once
 #include <cmath>
 #include <cstdint>

@@ -5,6 +5,7 @@
 // Usage: cuda_select_emulation [candidate capacity]; exit status 0 iff no mismatch.
 #include "kernels/capture_scan.h"
 #include "kernels/capture_select.h"
+#include "kernels/det_log.h"
 #include <cstdio>
 #include <cstdlib>
 #include <cmath>
@@ -16,13 +17,14 @@ using namespace mask_replay;
 
 struct P { float t; int64_t k; double p, mp; };
 
-// brute force, straight from the semantics text
+// brute force, straight from the semantics text (the min-p log is det_log, which
+// tests/ops/test_det_log.py pins to a correctly rounded reference)
 std::vector<int> brute(const std::vector<float>& z, P pr) {
   int V = z.size();
   std::vector<float> x(V);
   float m = -INFINITY;
   for (int i = 0; i < V; ++i) { x[i] = mr_div(z[i], pr.t); if (std::isfinite(x[i]) && x[i] > m) m = x[i]; }
-  float thr = min_p_active(pr.mp) ? mr_add(m, (float)std::log(pr.mp)) : kLowestFinite;
+  float thr = min_p_active(pr.mp) ? mr_add(m, det_log(pr.mp)) : kLowestFinite;
   std::vector<int> s0;
   for (int i = 0; i < V; ++i) if (std::isfinite(x[i]) && x[i] >= thr) s0.push_back(i);
   std::vector<int> s1 = s0;
@@ -53,7 +55,7 @@ std::vector<int> emu(const std::vector<float>& z, P pr) {
   uint32_t mk = 0;
   for (int i = 0; i < V; ++i) { float x = mr_div(z[i], pr.t); if (std::isfinite(x)) mk = std::max(mk, order_key(x)); }
   float m = key_value(mk);
-  uint32_t k0 = min_p_active(pr.mp) ? order_key(mr_add(m, (float)std::log(pr.mp))) : order_key(kLowestFinite);
+  uint32_t k0 = min_p_active(pr.mp) ? order_key(mr_add(m, det_log(pr.mp))) : order_key(kLowestFinite);
   uint32_t k1 = 0, k2 = 0;
   std::vector<uint32_t> ck(CAP); std::vector<unsigned long long> cm(CAP);
   int cstate = 0; unsigned cand_count = 0;
