@@ -40,8 +40,11 @@ __device__ __forceinline__ A warp_sum(A v) {
   for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
 }
-__device__ __forceinline__ int warp_min(int v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(kFull, v, o));
+__device__ __forceinline__ int64_t warp_min(int64_t v) {
+  for (int o = kWarp / 2; o > 0; o >>= 1) {
+    const int64_t w = __shfl_xor_sync(kFull, static_cast<long long>(v), o);
+    v = w < v ? w : v;
+  }
   return v;
 }
 template <class A>
@@ -67,21 +70,25 @@ __device__ double warp_full_lse(const T* row, int64_t s1, int64_t vocab, A t) {
   return lse_value(m, s);
 }
 
+// Checks the row's entries [lo, hi) across the warp: the first failing entry's error, as the
+// CPU's sequential check reports it (uniform across the lanes).
+__device__ __forceinline__ int warp_check_entries(const int32_t* ids, int64_t lo, int64_t hi, int64_t vocab) {
+  return entry_error_code(warp_min(lane_entry_errors(ids, lo, hi, vocab, lane_id(), kWarp)));
+}
+
 // Logsumexp over the row's support and the sampled token's x. Returns the row status (uniform).
 template <class T, class A>
 __device__ int warp_support_lse(const T* row, int64_t s1, int64_t vocab, const int32_t* ids, int64_t lo, int64_t hi,
                                 int64_t y, A t, A& m, double& s, A& xy, bool& found) {
-  int bad = kReplayed, hit = 0;
   m = neg_inf<A>();
   s = 0.0;
   xy = 0;
+  found = false;
+  const int bad = warp_check_entries(ids, lo, hi, vocab);  // the ids again below: from L1
+  if (bad != kReplayed) return bad;
+  int hit = 0;
   for (int64_t e = lo + lane_id(); e < hi; e += kWarp) {
     const int64_t id = ids[e];
-    const int es = check_entry(id, e > lo ? static_cast<int64_t>(ids[e - 1]) : -1, vocab);
-    if (es != kReplayed) {
-      bad = min(bad, es);
-      continue;
-    }
     const A x = logit_at(row, s1, id, t);
     lse_push(m, s, x);
     if (id == y) {
@@ -93,7 +100,7 @@ __device__ int warp_support_lse(const T* row, int64_t s1, int64_t vocab, const i
   const unsigned who = __ballot_sync(kFull, hit);
   if (who) xy = __shfl_sync(kFull, xy, __ffs(who) - 1);
   found = who != 0;
-  return warp_min(bad);
+  return kReplayed;
 }
 
 // Row r of a backward op: d logp / d z_j = (g / T)(1[j = y] - p_j), written into the gradient row.
@@ -114,16 +121,6 @@ struct GradRow {
     for (int64_t j = lane_id(); j < vocab; j += kWarp) write(s1, j);
   }
 };
-
-// Checks row r's entries across the warp (each lane an entry and its predecessor); uniform result.
-__device__ int warp_check_entries(const RowInputs& in, int64_t r) {
-  const int64_t lo = in.off[r], hi = in.off[r + 1];
-  int bad = kReplayed;
-  for (int64_t e = lo + lane_id(); e < hi; e += kWarp)
-    bad = min(bad, static_cast<int>(check_entry(in.ids[e], e > lo ? static_cast<int64_t>(in.ids[e - 1]) : -1,
-                                                in.vocab)));
-  return warp_min(bad);
-}
 
 template <class T, class A>
 __global__ void replay_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in, bool fallback,
@@ -164,7 +161,7 @@ __global__ void replay_bwd_kernel(const A* __restrict__ g, const T* __restrict__
   const int64_t r = warp_item();
   if (r >= in.n) return;
   int e = precheck_row(in, r);
-  if (e == kReplayed) e = warp_check_entries(in, r);
+  if (e == kReplayed) e = warp_check_entries(in.ids, in.off[r], in.off[r + 1], in.vocab);
   if (lane_id() == 0) err[r] = static_cast<int8_t>(e);
   const int8_t st = status[r];
   if (e != kReplayed || st < 0) return;
@@ -299,7 +296,7 @@ __global__ void hidden_bwd_rows_kernel(const A* __restrict__ g, const T* __restr
   const int64_t r = warp_item();
   if (r >= in.n) return;
   int bad = precheck_row(in, r);
-  if (bad == kReplayed) bad = warp_check_entries(in, r);
+  if (bad == kReplayed) bad = warp_check_entries(in.ids, in.off[r], in.off[r + 1], in.vocab);
   if (lane_id() == 0) err[r] = static_cast<int8_t>(bad);
   if (bad != kReplayed) return;  // coef and row_of stay zero there: in bounds for the weight kernel
   const int64_t lo = in.off[r], hi = in.off[r + 1];
