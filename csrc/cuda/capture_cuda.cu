@@ -42,7 +42,6 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int64_t kMinChunk = 2048;    // below this, splitting a row costs more than it gains
-constexpr int kBlocksPerSm = 4;        // target occupancy when rows are few
 constexpr int64_t kMaxVocab = 1 << 23; // keeps V * 2^40 (the all-tied row's mass) below 2^63
 // Candidate buffer per row: as large as 64 MiB for the batch allows, up to 16384 entries (one
 // block histograms that many in a few microseconds); below 256 entries it is not worth a pass.
@@ -522,17 +521,58 @@ int sm_count(int device) {
   return sms;
 }
 
-Geometry make_geometry(const at::Tensor& z) {
+// Blocks of kThreads that one SM runs at once in every pass, for this dtype: the smallest over the
+// kernels (ptxas, sm_90: stats and count fit 4, select and fill 3, fp16 top-k select 2), so that a
+// grid sized by it comes in whole waves in every pass. Queried once per device (no sync).
+template <typename scalar_t>
+int resident_blocks_per_sm(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  if (device >= 0 && device < kMaxDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int fewest = std::numeric_limits<int>::max();
+  auto query = [&](auto kernel) {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+    fewest = blocks < fewest ? blocks : fewest;
+  };
+  query(stats_kernel<scalar_t>);
+  query(select_kernel<scalar_t, false>);
+  query(select_kernel<scalar_t, true>);
+  query(count_kernel<scalar_t>);
+  query(fill_kernel<scalar_t>);
+  fewest = fewest > 1 ? fewest : 1;
+  if (device >= 0 && device < kMaxDevices) cache[device].store(fewest, std::memory_order_relaxed);
+  return fewest;
+}
+
+// Blocks per row when `slots` blocks run at once: b blocks per row take about ceil(n b / slots)
+// waves of V / b elements each. The b with the fewest elements per slot wins (ties: the smaller,
+// fewer merges), among those up to about two waves: n = 256 rows on 396 slots take b = 3 (1.9
+// waves, 2/3 of a row per slot), not 2 (1.3 waves, a tail as long as a wave).
+int64_t pick_blocks_per_row(int64_t n, int64_t max_b, int64_t slots) {
+  const int64_t limit_b = 2 * ((slots + n - 1) / n);
+  int64_t best = 1, best_waves = (n + slots - 1) / slots;
+  for (int64_t b = 2; b <= max_b && b <= limit_b; ++b) {
+    const int64_t waves = (n * b + slots - 1) / slots;
+    if (waves * best < best_waves * b) {  // waves / b < best_waves / best
+      best = b;
+      best_waves = waves;
+    }
+  }
+  return best;
+}
+
+Geometry make_geometry(const at::Tensor& z, int blocks_per_sm) {
   Geometry g;
   g.n = z.size(0);
   g.v = z.size(1);
   g.row_stride = z.stride(0);
-  const int sms = sm_count(z.get_device());
-  const int64_t target = static_cast<int64_t>(sms) * kBlocksPerSm;
-  int64_t b = (target + g.n - 1) / g.n;
+  const int64_t slots = static_cast<int64_t>(sm_count(z.get_device())) * blocks_per_sm;
   const int64_t max_b = g.v / kMinChunk > 1 ? g.v / kMinChunk : 1;
-  b = b < max_b ? b : max_b;
-  b = b > 1 ? b : 1;
+  const int64_t b = pick_blocks_per_row(g.n, max_b, slots);
   g.chunk = (g.v + b - 1) / b;
   g.blocks_per_row = static_cast<int>((g.v + g.chunk - 1) / g.chunk);  // no empty slices
   TORCH_CHECK(g.n * g.blocks_per_row <= std::numeric_limits<int32_t>::max(), "capture: too many rows (", g.n, ")");
@@ -629,6 +669,12 @@ void dispatch_logits(at::ScalarType st, F&& f) {
   }
 }
 
+int capture_blocks_per_sm(const at::Tensor& z) {
+  int blocks = 1;
+  dispatch_logits(z.scalar_type(), [&](auto tag) { blocks = resident_blocks_per_sm<decltype(tag)>(z.get_device()); });
+  return blocks;
+}
+
 // Logits with unit stride along the vocabulary are read in place; anything else is copied once.
 at::Tensor rows_view(const at::Tensor& logits) {
   return logits.stride(1) == 1 ? logits : logits.contiguous();
@@ -697,7 +743,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
   }
 
   const at::Tensor z = rows_view(logits);
-  const Geometry g = make_geometry(z);
+  const Geometry g = make_geometry(z, capture_blocks_per_sm(z));
   Workspace w = make_workspace(g, dev);
   dispatch_logits(z.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -745,7 +791,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cuda(const at::Tens
   const at::Tensor tt = temperature.contiguous(), kk = top_k.contiguous(), pp = top_p.contiguous(),
                    mm = min_p.contiguous();
   const at::Tensor z = rows_view(logits);
-  const Geometry g = make_geometry(z);
+  const Geometry g = make_geometry(z, capture_blocks_per_sm(z));
   Workspace w = make_workspace(g, dev);
   // No host look at the parameters here: every pass is launched and idle rows return at once.
   dispatch_logits(z.scalar_type(), [&](auto tag) {
