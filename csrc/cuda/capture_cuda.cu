@@ -122,8 +122,10 @@ __device__ __forceinline__ Slice my_slice(const Geometry& g) {
 
 // ---------------------------------------------------------------------------------------------
 // Pass 1: first defect, row max (or greedy argmax), then threshold K0 and the selection state.
+// Four blocks per SM: the row loop fits 32 registers, and the decision's det_log (once per row)
+// would otherwise raise the whole kernel to 40; it spills there instead.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
 stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
              const int64_t* __restrict__ top_k, const double* __restrict__ top_p,
              const double* __restrict__ min_p, RowState* __restrict__ states, int64_t* __restrict__ status_out) {
