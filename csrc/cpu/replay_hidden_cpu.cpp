@@ -13,9 +13,9 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/replay_math.h"
 #include "replay_checks.h"
 #include "replay_hidden.h"
-#include "kernels/replay_math.h"
 
 namespace mask_replay {
 namespace {
@@ -121,9 +121,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cpu(const at::Tensor& 
         A m, xy = 0;
         double s;
         bool found;
-        st = support_scan(in.ids, lo, hi, in.vocab, in.ys[r],
-                          [&](int64_t id) { return head_logit<scalar_t, A>(hp + r * d, wp, hd.ws, bp, id, d, t); },
-                          m, s, xy, found);
+        st = support_scan(
+            in.ids, lo, hi, in.vocab, in.ys[r],
+            [&](int64_t id) { return head_logit<scalar_t, A>(hp + r * d, wp, hd.ws, bp, id, d, t); }, m, s, xy, found);
         if (st == kReplayed) st = row_decision(hi - lo, found, fallback);
         sp[r] = st;
         if (st != kReplayed) continue;  // fallback rows are filled below, errors raised
@@ -136,16 +136,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cpu(const at::Tensor& 
   return finish_hidden_fwd(hd, f, fallback);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
-    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
-    const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
-    const at::Tensor& lse, const at::Tensor& status) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(const at::Tensor& grad, const at::Tensor& hidden,
+                                                              const at::Tensor& weight, const at::Tensor& bias,
+                                                              const at::Tensor& token_ids, const at::Tensor& offsets,
+                                                              const at::Tensor& sampled, const at::Tensor& temperature,
+                                                              const at::Tensor& lse, const at::Tensor& status) {
   const char* op = "replay_from_hidden_bwd";
   const HeadOperands hd = head_operands(op, hidden, weight, bias, token_ids, offsets, sampled, temperature);
   const RowInputs in = hd.rows.view();
   const int64_t n = in.n, d = hd.d, vocab = in.vocab, nnz = in.nnz;
-  const SavedOperands sv = saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()),
-                                          hidden.device());
+  const SavedOperands sv =
+      saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()), hidden.device());
   at::Tensor gh = at::empty({n, d}, hidden.options());
   // Written completely by pass 2 (zeros outside the supports).
   at::Tensor gw = at::empty({vocab, d}, weight.options().memory_format(at::MemoryFormat::Contiguous));

@@ -41,8 +41,8 @@ namespace mask_replay {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int64_t kMinChunk = 2048;    // below this, splitting a row costs more than it gains
-constexpr int64_t kMaxVocab = 1 << 23; // keeps V * 2^40 (the all-tied row's mass) below 2^63
+constexpr int64_t kMinChunk = 2048;     // below this, splitting a row costs more than it gains
+constexpr int64_t kMaxVocab = 1 << 23;  // keeps V * 2^40 (the all-tied row's mass) below 2^63
 // Candidate buffer per row: as large as 64 MiB for the batch allows, up to 16384 entries (one
 // block histograms that many in a few microseconds); below 256 entries it is not worth a pass.
 constexpr int64_t kCandBytes = int64_t{64} << 20;
@@ -69,21 +69,21 @@ __host__ __device__ __forceinline__ unsigned long long max_u64(unsigned long lon
 
 // Per-row state carried between launches. Zeroed before the first launch.
 struct alignas(16) RowState {
-  unsigned long long argmax;  // greedy rows: pack_argmax over finite values (atomicMax)
-  unsigned long long defect;  // pack_defect of the first NaN / +inf / overflow (atomicMax)
+  unsigned long long argmax;    // greedy rows: pack_argmax over finite values (atomicMax)
+  unsigned long long defect;    // pack_defect of the first NaN / +inf / overflow (atomicMax)
   unsigned long long mass_all;  // logz: sum of all masses (atomicAdd, exact)
-  long long kneed;            // top-k: rank of the k-th key inside the current bucket
-  long long mass_above;       // top-p: mass of the domain above the current bucket
-  long long total_mass;       // top-p: Z
-  unsigned int any_finite;    // some x is finite (atomicOr)
-  unsigned int max_key;       // order_key of the largest finite x (atomicMax)
-  unsigned int done;          // blocks of this row done with the current launch
+  long long kneed;              // top-k: rank of the k-th key inside the current bucket
+  long long mass_above;         // top-p: mass of the domain above the current bucket
+  long long total_mass;         // top-p: Z
+  unsigned int any_finite;      // some x is finite (atomicOr)
+  unsigned int max_key;         // order_key of the largest finite x (atomicMax)
+  unsigned int done;            // blocks of this row done with the current launch
   int status;
-  unsigned int k0, k1, k2;    // min-p, top-k, top-p threshold keys (0: no constraint)
+  unsigned int k0, k1, k2;  // min-p, top-k, top-p threshold keys (0: no constraint)
   unsigned int prefix_k, prefix_p;
   int greedy, topk_on, topp_on;
-  float m;                    // max of finite x
-  unsigned int cand_count;    // entries appended to the candidate buffer (atomicAdd)
+  float m;                  // max of finite x
+  unsigned int cand_count;  // entries appended to the candidate buffer (atomicAdd)
   // kCand* below, one per filter ([0] top-k, [1] top-p; they share the buffer, top-k first).
   // Separate so that no pass resets the other's: in a buffered pass block 0 decides alone while
   // the row's other blocks may still be reading the state to find out that they have no work.
@@ -126,9 +126,9 @@ __device__ __forceinline__ Slice my_slice(const Geometry& g) {
 // would otherwise raise the whole kernel to 40; it spills there instead.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads, 4)
-stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
-             const int64_t* __restrict__ top_k, const double* __restrict__ top_p,
-             const double* __restrict__ min_p, RowState* __restrict__ states, int64_t* __restrict__ status_out) {
+    stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
+                 const int64_t* __restrict__ top_k, const double* __restrict__ top_p, const double* __restrict__ min_p,
+                 RowState* __restrict__ states, int64_t* __restrict__ status_out) {
   const Slice sl = my_slice(g);
   const scalar_t* z = logits + sl.row * g.row_stride;
   RowState* st = states + sl.row;
@@ -233,8 +233,7 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
 
 // Candidate-buffer state after a pass chose a bucket of `in_bucket` entries. Collecting pays only
 // when a later pass reads the buffer, so it starts at pass 1 or 2. False if a collection overran.
-__device__ bool advance_candidates(RowState* st, int which, int cstate, int pass, unsigned int in_bucket,
-                                   int64_t cap) {
+__device__ bool advance_candidates(RowState* st, int which, int cstate, int pass, unsigned int in_bucket, int64_t cap) {
   if (cstate == kCandCollect) {
     if (atomicAdd(&st->cand_count, 0u) > cap) return false;
     st->cand_state[which] = kCandReady;
@@ -248,8 +247,7 @@ __device__ bool advance_candidates(RowState* st, int which, int cstate, int pass
 // Lanes of a warp that hit the same bin add once: logits crowd into a few top-digit bins, where
 // plain shared-memory atomics would serialise up to 32 ways. Integer sums: any grouping is exact.
 template <bool WITH_MASS>
-__device__ __forceinline__ void add_to_bin(unsigned int* count, unsigned long long* mass, int d,
-                                           unsigned long long q) {
+__device__ __forceinline__ void add_to_bin(unsigned int* count, unsigned long long* mass, int d, unsigned long long q) {
   namespace cg = cooperative_groups;
   const cg::coalesced_group peers = cg::labeled_partition(cg::coalesced_threads(), d);
   if (WITH_MASS) {
@@ -268,11 +266,11 @@ __device__ __forceinline__ void add_to_bin(unsigned int* count, unsigned long lo
 // also sums the normaliser for logz and learns |S0|, which decides whether top-k is active.
 template <typename scalar_t, bool TOPP>
 __global__ void __launch_bounds__(kThreads)
-select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
-              const double* __restrict__ top_p, RowState* __restrict__ states, int pass,
-              bool want_logz, float* __restrict__ logz_out, unsigned int* __restrict__ g_count,
-              unsigned long long* __restrict__ g_mass, unsigned int* __restrict__ cand_key,
-              unsigned long long* __restrict__ cand_mass, int64_t* __restrict__ status_out) {
+    select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
+                  const double* __restrict__ top_p, RowState* __restrict__ states, int pass, bool want_logz,
+                  float* __restrict__ logz_out, unsigned int* __restrict__ g_count,
+                  unsigned long long* __restrict__ g_mass, unsigned int* __restrict__ cand_key,
+                  unsigned long long* __restrict__ cand_mass, int64_t* __restrict__ status_out) {
   using Reduce = cub::BlockReduce<unsigned long long, kThreads>;
   __shared__ typename Reduce::TempStorage reduce_tmp;
   __shared__ unsigned int s_count[kRadixBins];
@@ -322,8 +320,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
       if (!on) return;
       const unsigned int key = order_key(x);
       if (key < lo || (key & pmask) != prefix) return;
-      const unsigned long long q =
-          TOPP ? static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m)))) : 0ull;
+      const unsigned long long q = TOPP ? static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m)))) : 0ull;
       add_to_bin<TOPP>(s_count, s_mass, radix_digit(key, pass), q);
       if (collect) {
         const unsigned int pos = atomicAdd(&st->cand_count, 1u);
@@ -350,8 +347,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     if (logz_here && threadIdx.x == 0 && block_sum) atomicAdd(&st->mass_all, block_sum);
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0)
-      last = atomicAdd(&st->done, 1u) == static_cast<unsigned int>(g.blocks_per_row - 1);
+    if (threadIdx.x == 0) last = atomicAdd(&st->done, 1u) == static_cast<unsigned int>(g.blocks_per_row - 1);
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -434,8 +430,8 @@ __device__ __forceinline__ unsigned int final_threshold(const RowState* st) {
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-count_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
-             const RowState* __restrict__ states, int64_t* __restrict__ block_counts) {
+    count_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
+                 const RowState* __restrict__ states, int64_t* __restrict__ block_counts) {
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   const Slice sl = my_slice(g);
@@ -468,9 +464,9 @@ count_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
 // positions >= limit (capture_fixed's width; "no limit" for CSR).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-fill_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
-            const RowState* __restrict__ states, const int64_t* __restrict__ block_start,
-            int32_t* __restrict__ out, int64_t row_width, int64_t limit) {
+    fill_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
+                const RowState* __restrict__ states, const int64_t* __restrict__ block_start, int32_t* __restrict__ out,
+                int64_t row_width, int64_t limit) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
   const Slice sl = my_slice(g);
@@ -612,8 +608,8 @@ T* ptr_or_null(const at::Tensor& t) {
 // the host knows it (CSR path); otherwise their rows return at once.
 template <typename scalar_t>
 void select_support(const at::Tensor& z, const Geometry& g, Workspace& w, const at::Tensor& temperature,
-                    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
-                    float* logz, bool any_topk, bool any_topp) {
+                    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p, float* logz,
+                    bool any_topk, bool any_topp) {
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const scalar_t* zp = reinterpret_cast<const scalar_t*>(z.data_ptr());
   const dim3 grid(static_cast<unsigned int>(g.n * g.blocks_per_row));
@@ -626,21 +622,20 @@ void select_support(const at::Tensor& z, const Geometry& g, Workspace& w, const 
   auto* cm = ptr_or_null<unsigned long long>(w.cand_mass);
 
   stats_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(zp, g, t, top_k.data_ptr<int64_t>(), p,
-                                                        min_p.data_ptr<double>(), states,
-                                                        w.status.data_ptr<int64_t>());
+                                                        min_p.data_ptr<double>(), states, w.status.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const bool want_logz = logz != nullptr;
   if (any_topk || want_logz) {
     for (int pass = 0; pass < 4 && (pass == 0 || any_topk); ++pass) {
-      select_kernel<scalar_t, false><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, want_logz,
-                                                                   logz, gc, gm, ck, cm, w.status.data_ptr<int64_t>());
+      select_kernel<scalar_t, false><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, want_logz, logz, gc, gm,
+                                                                    ck, cm, w.status.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
   if (any_topp) {
     for (int pass = 0; pass < 4; ++pass) {
-      select_kernel<scalar_t, true><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, false,
-                                                                  nullptr, gc, gm, ck, cm, w.status.data_ptr<int64_t>());
+      select_kernel<scalar_t, true><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, false, nullptr, gc, gm,
+                                                                   ck, cm, w.status.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -653,10 +648,10 @@ void fill_support(const at::Tensor& z, const Geometry& g, Workspace& w, const at
                   const at::Tensor& block_start, at::Tensor& out, int64_t row_width, int64_t limit) {
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned int>(g.n * g.blocks_per_row));
-  fill_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
-      reinterpret_cast<const scalar_t*>(z.data_ptr()), g, temperature.data_ptr<float>(),
-      reinterpret_cast<const RowState*>(w.states.data_ptr()), block_start.data_ptr<int64_t>(),
-      out.data_ptr<int32_t>(), row_width, limit);
+  fill_kernel<scalar_t>
+      <<<grid, kThreads, 0, stream>>>(reinterpret_cast<const scalar_t*>(z.data_ptr()), g, temperature.data_ptr<float>(),
+                                      reinterpret_cast<const RowState*>(w.states.data_ptr()),
+                                      block_start.data_ptr<int64_t>(), out.data_ptr<int32_t>(), row_width, limit);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -664,10 +659,17 @@ void fill_support(const at::Tensor& z, const Geometry& g, Workspace& w, const at
 template <typename F>
 void dispatch_logits(at::ScalarType st, F&& f) {
   switch (st) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    default: TORCH_CHECK(false, "capture: unsupported logits dtype ", st);
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kHalf:
+      f(at::Half{});
+      break;
+    case at::kBFloat16:
+      f(at::BFloat16{});
+      break;
+    default:
+      TORCH_CHECK(false, "capture: unsupported logits dtype ", st);
   }
 }
 
@@ -678,9 +680,7 @@ int capture_blocks_per_sm(const at::Tensor& z) {
 }
 
 // Logits with unit stride along the vocabulary are read in place; anything else is copied once.
-at::Tensor rows_view(const at::Tensor& logits) {
-  return logits.stride(1) == 1 ? logits : logits.contiguous();
-}
+at::Tensor rows_view(const at::Tensor& logits) { return logits.stride(1) == 1 ? logits : logits.contiguous(); }
 
 void check_common(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                   const at::Tensor& top_p, const at::Tensor& min_p) {
@@ -695,21 +695,25 @@ void check_common(const at::Tensor& logits, const at::Tensor& temperature, const
   const int status = static_cast<int>(report & 0xff);
   const int64_t col = report >> 8;
   switch (status) {
-    case kNaN: TORCH_CHECK(false, "capture: row ", row, " contains NaN (column ", col, ")");
-    case kPosInf: TORCH_CHECK(false, "capture: row ", row, " contains +inf (column ", col, ")");
+    case kNaN:
+      TORCH_CHECK(false, "capture: row ", row, " contains NaN (column ", col, ")");
+    case kPosInf:
+      TORCH_CHECK(false, "capture: row ", row, " contains +inf (column ", col, ")");
     case kOverflow:
-      TORCH_CHECK(false, "capture: row ", row, " overflows to +inf after dividing by the temperature (column ",
-                  col, ")");
-    case kNoFinite: TORCH_CHECK(false, "capture: row ", row, " has no finite logit");
-    case kBadParam: TORCH_CHECK(false, "capture: row ", row, " has invalid sampling parameters");
-    default: TORCH_CHECK(false, "capture: internal error in the CUDA selection at row ", row, " (status ", status, ")");
+      TORCH_CHECK(false, "capture: row ", row, " overflows to +inf after dividing by the temperature (column ", col,
+                  ")");
+    case kNoFinite:
+      TORCH_CHECK(false, "capture: row ", row, " has no finite logit");
+    case kBadParam:
+      TORCH_CHECK(false, "capture: row ", row, " has invalid sampling parameters");
+    default:
+      TORCH_CHECK(false, "capture: internal error in the CUDA selection at row ", row, " (status ", status, ")");
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& logits,
-                                                             const at::Tensor& temperature,
-                                                             const at::Tensor& top_k, const at::Tensor& top_p,
-                                                             const at::Tensor& min_p, bool compute_logz) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& logits, const at::Tensor& temperature,
+                                                            const at::Tensor& top_k, const at::Tensor& top_p,
+                                                            const at::Tensor& min_p, bool compute_logz) {
   check_common(logits, temperature, top_k, top_p, min_p);
   c10::cuda::CUDAGuard guard(logits.device());
   const auto dev = logits.options();
@@ -763,8 +767,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
   const int64_t nnz = h[n];
 
   at::Tensor token_ids = at::empty({nnz}, dev.dtype(at::kInt));
-  at::Tensor offsets = at::cat({at::zeros({1}, dev.dtype(at::kLong)),
-                                incl.view({n, g.blocks_per_row}).select(1, g.blocks_per_row - 1)});
+  at::Tensor offsets =
+      at::cat({at::zeros({1}, dev.dtype(at::kLong)), incl.view({n, g.blocks_per_row}).select(1, g.blocks_per_row - 1)});
   if (nnz > 0) {
     dispatch_logits(z.scalar_type(), [&](auto tag) {
       using scalar_t = decltype(tag);
@@ -775,10 +779,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cuda(const at::Tensor& logits,
-                                                                   const at::Tensor& temperature,
-                                                                   const at::Tensor& top_k,
-                                                                   const at::Tensor& top_p,
-                                                                   const at::Tensor& min_p, int64_t width) {
+                                                                  const at::Tensor& temperature,
+                                                                  const at::Tensor& top_k, const at::Tensor& top_p,
+                                                                  const at::Tensor& min_p, int64_t width) {
   check_common(logits, temperature, top_k, top_p, min_p);
   TORCH_CHECK(width >= 1, "capture_fixed: width must be >= 1, got ", width);
   c10::cuda::CUDAGuard guard(logits.device());
@@ -787,8 +790,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cuda(const at::Tens
 
   at::Tensor ids = at::full({n, width}, -1, dev.dtype(at::kInt));
   if (n == 0) return {ids, at::empty({0}, dev.dtype(at::kLong)), at::empty({0}, dev.dtype(at::kBool))};
-  if (v == 0)
-    return {ids, at::full({n}, -1, dev.dtype(at::kLong)), at::ones({n}, dev.dtype(at::kBool))};
+  if (v == 0) return {ids, at::full({n}, -1, dev.dtype(at::kLong)), at::ones({n}, dev.dtype(at::kBool))};
 
   const at::Tensor tt = temperature.contiguous(), kk = top_k.contiguous(), pp = top_p.contiguous(),
                    mm = min_p.contiguous();

@@ -9,9 +9,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/sort.h>
 #include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -149,8 +149,12 @@ struct GradRow {
   double l;
   int64_t y;
   __device__ GradRow(const A* g, const T* z, int64_t s0, const RowInputs& in, const A* lse, T* out, int64_t r)
-      : row(z + r * s0), o(out + r * in.vocab), t(static_cast<A>(in.ts[r])), gt(g[r] / t),
-        l(static_cast<double>(lse[r])), y(in.ys[r]) {}
+      : row(z + r * s0),
+        o(out + r * in.vocab),
+        t(static_cast<A>(in.ts[r])),
+        gt(g[r] / t),
+        l(static_cast<double>(lse[r])),
+        y(in.ys[r]) {}
   __device__ T value(int64_t j, T z) const {
     return static_cast<T>(grad_coef(gt, prob_of(static_cast<A>(z) / t, l), j == y));
   }
@@ -430,7 +434,7 @@ __global__ void __launch_bounds__(kWeightThreads)
     s_row[i] = row_of[e];
   }
   __syncthreads();
-  const bool continues = p0 > 0 && sids[p0 - 1] == s_id[0];            // the first piece's run began before
+  const bool continues = p0 > 0 && sids[p0 - 1] == s_id[0];                // the first piece's run began before
   const bool goes_on = p0 + len < nnz && sids[p0 + len] == s_id[len - 1];  // the last piece's run goes on
   const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kWeightTile + threadIdx.x;
   const bool bias_here = blockIdx.y == 0 && threadIdx.x == 0;
@@ -560,13 +564,11 @@ at::Tensor replay_bwd_cuda(const at::Tensor& grad, const at::Tensor& logits, con
       using A = at::opmath_type<scalar_t>;
       replay_bwd_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
           sv.g.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(),
-          sv.ls.const_data_ptr<A>(), sv.st.const_data_ptr<int8_t>(), out.data_ptr<scalar_t>(),
-          err.data_ptr<int8_t>());
+          sv.ls.const_data_ptr<A>(), sv.st.const_data_ptr<int8_t>(), out.data_ptr<scalar_t>(), err.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       fallback_bwd_kernel<scalar_t, A><<<row_blocks(a.n), kRowThreads, 0, stream()>>>(
           sv.g.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(),
-          sv.ls.const_data_ptr<A>(), sv.st.const_data_ptr<int8_t>(), err.data_ptr<int8_t>(),
-          out.data_ptr<scalar_t>());
+          sv.ls.const_data_ptr<A>(), sv.st.const_data_ptr<int8_t>(), err.data_ptr<int8_t>(), out.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -653,16 +655,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cuda(const at::Tensor&
   return finish_hidden_fwd(hd, f, fallback);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cuda(
-    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
-    const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
-    const at::Tensor& lse, const at::Tensor& status) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cuda(const at::Tensor& grad, const at::Tensor& hidden,
+                                                               const at::Tensor& weight, const at::Tensor& bias,
+                                                               const at::Tensor& token_ids, const at::Tensor& offsets,
+                                                               const at::Tensor& sampled, const at::Tensor& temperature,
+                                                               const at::Tensor& lse, const at::Tensor& status) {
   const c10::cuda::CUDAGuard guard(hidden.device());
   const char* op = "replay_from_hidden_bwd";
   const HeadOperands hd = head_operands(op, hidden, weight, bias, token_ids, offsets, sampled, temperature);
   const int64_t n = hd.rows.n, d = hd.d, vocab = hd.rows.vocab, nnz = hd.rows.nnz;
-  const SavedOperands sv = saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()),
-                                          hidden.device());
+  const SavedOperands sv =
+      saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()), hidden.device());
   at::Tensor gh = at::empty({n, d}, hd.h.options());
   at::Tensor gw = at::zeros({vocab, d}, hd.w.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor gb = hd.bias ? at::zeros({vocab}, hd.b.options()) : at::empty({0}, hd.h.options());

@@ -112,8 +112,8 @@ MR_HD float dd_to_float(DoubleDouble v) {
   // The float on the other side of hi: one step of the bit pattern (sign-magnitude).
   const bool up = v.hi > rd;
   const uint32_t b = float_bits(r);
-  const float other = r == 0.0f ? bits_float((up ? 0u : 0x80000000u) | 1u)
-                                : bits_float((r > 0.0f) == up ? b + 1u : b - 1u);
+  const float other =
+      r == 0.0f ? bits_float((up ? 0u : 0x80000000u) | 1u) : bits_float((r > 0.0f) == up ? b + 1u : b - 1u);
   const double od = static_cast<double>(other);
   if (md_add(v.hi, -rd) != md_add(od, -v.hi)) return r;  // not a midpoint (both differences exact)
   return (v.lo > 0.0) == (od > v.hi) ? other : r;
@@ -126,7 +126,7 @@ MR_HD float det_log(double x) {
   if (!(x > 0.0)) return x == 0.0 ? kNegInf : bits_float(0x7fc00000u);
   if (x == -static_cast<double>(kNegInf)) return -kNegInf;
   int e = 0;
-  if (x < 2.2250738585072014e-308) {  // subnormal: scale into the normal range (exact)
+  if (x < 2.2250738585072014e-308) {     // subnormal: scale into the normal range (exact)
     x = md_mul(x, 18014398509481984.0);  // 2^54
     e = -54;
   }
