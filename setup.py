@@ -71,8 +71,8 @@ def _cpu_arch_flags():
 
 def extensions():
     with_cuda = _want_cuda()
-    # Layout (README "Layout"): schemas, checks and device-free math at the top of csrc/, the CPU
-    # kernels in csrc/cpu/, the CUDA kernels in csrc/cuda/.
+    # Layout (README "Layout"): schemas and checks at the top of csrc/, the torch-free math both devices
+    # share in csrc/kernels/ (headers only), the CPU kernels in csrc/cpu/, the CUDA kernels in csrc/cuda/.
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # Shared kernel math must round the same on host and device: no FMA contraction on the host.
     cxx = ["-O3", "-std=c++20", "-ffp-contract=off", "-fno-math-errno"] + _cpu_arch_flags()

@@ -5,7 +5,8 @@
 // The module itself is a bare CPython module: importing it runs the static registrations below.
 // It needs no pybind11 (torch/extension.h costs more compile time than all the kernels together);
 // build_info is an operator returning JSON.
-#include <Python.h>
+#include <Python.h>  // first: Python.h must precede the standard headers
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -17,28 +18,34 @@ TORCH_LIBRARY(mask_replay, m) {
   // (f32), the log of the fixed-point masses' sum (masses below 2^-40 of the max count as 0),
   // computed only when compute_logz, else an empty tensor. The kept mass of a mask is not taken
   // from it but from kept_mass, whose logZ is full_fwd's.
-  m.def("capture(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
-        "bool compute_logz) -> (Tensor token_ids, Tensor offsets, Tensor logz)");
+  m.def(
+      "capture(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "bool compute_logz) -> (Tensor token_ids, Tensor offsets, Tensor logz)");
   // Same support into a fixed [N, width] buffer padded with -1, per-row counts (the true support
   // size, which may exceed width) and an overflow flag per row. Never syncs with the host.
-  m.def("capture_fixed(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
-        "Tensor min_p, int width) -> (Tensor token_ids, Tensor counts, Tensor overflow)");
+  m.def(
+      "capture_fixed(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor min_p, int width) -> (Tensor token_ids, Tensor counts, Tensor overflow)");
 
   // Replay: log-prob of `sampled` over the CSR support. status per row (int8): 0 replayed,
   // 1 fell back to the full vocabulary (sampled outside K), 2 fell back (empty row).
-  m.def("replay_fwd(Tensor logits, Tensor token_ids, Tensor offsets, Tensor sampled, "
-        "Tensor temperature, bool fallback) -> (Tensor logp, Tensor lse, Tensor status)");
-  m.def("replay_bwd(Tensor grad, Tensor logits, Tensor token_ids, Tensor offsets, Tensor sampled, "
-        "Tensor temperature, Tensor lse, Tensor status) -> Tensor");
+  m.def(
+      "replay_fwd(Tensor logits, Tensor token_ids, Tensor offsets, Tensor sampled, "
+      "Tensor temperature, bool fallback) -> (Tensor logp, Tensor lse, Tensor status)");
+  m.def(
+      "replay_bwd(Tensor grad, Tensor logits, Tensor token_ids, Tensor offsets, Tensor sampled, "
+      "Tensor temperature, Tensor lse, Tensor status) -> Tensor");
   m.def("full_fwd(Tensor logits, Tensor sampled, Tensor temperature) -> (Tensor logp, Tensor lse)");
   m.def("full_bwd(Tensor grad, Tensor logits, Tensor sampled, Tensor temperature, Tensor lse) -> Tensor");
   m.def("kept_mass(Tensor logits, Tensor token_ids, Tensor offsets, Tensor temperature) -> Tensor");
   // Sparse LM head: logits only for (row, token in K). bias may be an empty tensor (no bias).
-  m.def("hidden_fwd(Tensor hidden, Tensor weight, Tensor bias, Tensor token_ids, Tensor offsets, "
-        "Tensor sampled, Tensor temperature, bool fallback) -> (Tensor logp, Tensor lse, Tensor status)");
-  m.def("hidden_bwd(Tensor grad, Tensor hidden, Tensor weight, Tensor bias, Tensor token_ids, "
-        "Tensor offsets, Tensor sampled, Tensor temperature, Tensor lse, Tensor status) "
-        "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+  m.def(
+      "hidden_fwd(Tensor hidden, Tensor weight, Tensor bias, Tensor token_ids, Tensor offsets, "
+      "Tensor sampled, Tensor temperature, bool fallback) -> (Tensor logp, Tensor lse, Tensor status)");
+  m.def(
+      "hidden_bwd(Tensor grad, Tensor hidden, Tensor weight, Tensor bias, Tensor token_ids, "
+      "Tensor offsets, Tensor sampled, Tensor temperature, Tensor lse, Tensor status) "
+      "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
 }
 
 namespace {

@@ -103,10 +103,10 @@ HeadOperands head_operands(const char* op, const at::Tensor& hidden, const at::T
   TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [vocab, d], got ", weight.dim(), "-D");
   TORCH_CHECK(replay_float_dtype(hidden.scalar_type()), op,
               ": hidden must be float32, bfloat16, float16 or float64, got ", hidden.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), op, ": weight is ", weight.scalar_type(),
-              " but hidden is ", hidden.scalar_type(), "; they must match");
-  TORCH_CHECK(weight.size(1) == hidden.size(1), op, ": weight has d = ", weight.size(1), " but hidden has d = ",
-              hidden.size(1));
+  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), op, ": weight is ", weight.scalar_type(), " but hidden is ",
+              hidden.scalar_type(), "; they must match");
+  TORCH_CHECK(weight.size(1) == hidden.size(1), op, ": weight has d = ", weight.size(1),
+              " but hidden has d = ", hidden.size(1));
   TORCH_CHECK(weight.size(0) > 0 || hidden.size(0) == 0, op, ": weight has an empty vocabulary");
   TORCH_CHECK(weight.device() == hidden.device(), op, ": weight is on ", weight.device(), " but hidden is on ",
               hidden.device());
@@ -115,10 +115,10 @@ HeadOperands head_operands(const char* op, const at::Tensor& hidden, const at::T
   // An empty bias means "no bias"; anything else must be one value per token.
   hd.bias = !(bias.dim() == 1 && bias.numel() == 0);
   if (hd.bias) {
-    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == vocab, op, ": bias must have shape [", vocab,
-                "] or be empty, got ", bias.sizes());
-    TORCH_CHECK(bias.scalar_type() == hidden.scalar_type(), op, ": bias is ", bias.scalar_type(),
-                " but hidden is ", hidden.scalar_type());
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == vocab, op, ": bias must have shape [", vocab, "] or be empty, got ",
+                bias.sizes());
+    TORCH_CHECK(bias.scalar_type() == hidden.scalar_type(), op, ": bias is ", bias.scalar_type(), " but hidden is ",
+                hidden.scalar_type());
     TORCH_CHECK(bias.device() == hidden.device(), op, ": bias is on ", bias.device(), " but hidden is on ",
                 hidden.device());
   }

@@ -11,7 +11,7 @@
 #include <array>
 #include <tuple>
 
-#include "replay_math.h"
+#include "kernels/replay_math.h"
 
 namespace mask_replay {
 

@@ -19,7 +19,8 @@
 #include "capture_checks.h"
 #include "capture_cpu_loops.h"
 #include "capture_cpu_select.h"
-#include "kernel_math.h"
+#include "kernels/det_log.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 namespace cpu {
@@ -164,7 +165,10 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
       const float zi = static_cast<float>(z[i]);
       if (zi != zi) return RowOutcome{1, i};
       if (zi == -kNegInf) return RowOutcome{2, i};
-      if (zi > bm) { bm = zi; best = i; }
+      if (zi > bm) {
+        bm = zi;
+        best = i;
+      }
     }
     if (best < 0) return RowOutcome{4, -1};
     out.push_back(static_cast<int32_t>(best));
@@ -180,7 +184,7 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   const float* x = in_place ? reinterpret_cast<const float*>(z) : s.x.data();
   const float m = lr.max;
   const bool with_min_p = min_p_active(prm.min_p);
-  const float thr = with_min_p ? mr_add(m, static_cast<float>(std::log(prm.min_p))) : kLowestFinite;
+  const float thr = with_min_p ? mr_add(m, det_log(prm.min_p)) : kLowestFinite;
   const bool use_top_p = top_p_active(prm.top_p);
   const int64_t k = prm.top_k;
 
@@ -196,7 +200,8 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
     for (float below : {2.0f, 6.0f, 16.0f}) cut[ncut++] = std::max(thr, mr_add(m, -below));
   MassSums sums;
   if (want_logz || top_p_alone) sums = mass_sums(x, v, m, cut, ncut);
-  if (want_logz) res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(sums.all) / kMassScaleD));
+  if (want_logz)
+    res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(sums.all) / kMassScaleD));
 
   if (k > 0) {
     const size_t cap = static_cast<size_t>(std::max<int64_t>(1024, 2 * k));
@@ -214,15 +219,15 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
       int64_t total = 0;
       gather_keys(x, s.cand, s.keys);
       gather_masses(x, m, s.cand, s.mass, &total);
-      keep_at_least(s, top_p_threshold_key(s.keys.data(), s.mass.data(), s.keys.size(), prm.top_p, total, s.ka,
-                                           s.ma, s.kb, s.mb));
+      keep_at_least(s, top_p_threshold_key(s.keys.data(), s.mass.data(), s.keys.size(), prm.top_p, total, s.ka, s.ma,
+                                           s.kb, s.mb));
     }
   } else if (use_top_p) {
     const int64_t total = with_min_p ? sums.above[0] : sums.all;  // -inf entries have no mass
     auto raise = [&](Scratch& sc) {
       gather_masses(x, m, sc.cand, sc.mass, nullptr);
-      return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma,
-                                 sc.kb, sc.mb);
+      return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma, sc.kb,
+                                 sc.mb);
     };
     // Entries below a cut-off whose upper part already holds p * Z have at least that much mass
     // strictly above them: none of them can be kept, so the scan starts at the highest such cut.
@@ -259,11 +264,15 @@ struct Params {
 
 [[noreturn]] void throw_row_error(int64_t r, const RowOutcome& o) {
   switch (o.error) {
-    case 1: TORCH_CHECK(false, "capture: row ", r, " contains NaN (column ", o.col, ")");
-    case 2: TORCH_CHECK(false, "capture: row ", r, " contains +inf (column ", o.col, ")");
-    case 3: TORCH_CHECK(false, "capture: row ", r, " overflows to +inf after dividing by the temperature (column ",
-                        o.col, ")");
-    default: TORCH_CHECK(false, "capture: row ", r, " has no finite logit");
+    case 1:
+      TORCH_CHECK(false, "capture: row ", r, " contains NaN (column ", o.col, ")");
+    case 2:
+      TORCH_CHECK(false, "capture: row ", r, " contains +inf (column ", o.col, ")");
+    case 3:
+      TORCH_CHECK(false, "capture: row ", r, " overflows to +inf after dividing by the temperature (column ", o.col,
+                  ")");
+    default:
+      TORCH_CHECK(false, "capture: row ", r, " has no finite logit");
   }
 }
 
@@ -306,16 +315,21 @@ std::vector<int64_t> run_rows(const at::Tensor& logits, const Params& prm, bool 
 template <typename F>
 void dispatch_dtype(const at::Tensor& logits, F&& f) {
   switch (logits.scalar_type()) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, "capture: unsupported logits dtype ", logits.scalar_type());
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(c10::BFloat16{});
+      break;
+    case at::kHalf:
+      f(c10::Half{});
+      break;
+    default:
+      TORCH_CHECK(false, "capture: unsupported logits dtype ", logits.scalar_type());
   }
 }
 
-at::Tensor row_major(const at::Tensor& logits) {
-  return logits.stride(1) == 1 ? logits : logits.contiguous();
-}
+at::Tensor row_major(const at::Tensor& logits) { return logits.stride(1) == 1 ? logits : logits.contiguous(); }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cpu(const at::Tensor& logits_in, const at::Tensor& temperature,
                                                            const at::Tensor& top_k, const at::Tensor& top_p,
@@ -342,8 +356,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cpu(const at::Tensor& log
   at::Tensor ids = at::empty({off[n]}, logits.options().dtype(at::kInt));
   int32_t* out = ids.data_ptr<int32_t>();
   at::parallel_for(0, static_cast<int64_t>(chunk_start.size()) - 1, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      std::copy(chunk_ids[c].begin(), chunk_ids[c].end(), out + off[chunk_start[c]]);
+    for (int64_t c = c0; c < c1; ++c) std::copy(chunk_ids[c].begin(), chunk_ids[c].end(), out + off[chunk_start[c]]);
   });
   return {ids, offsets, logz};
 }
@@ -351,9 +364,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cpu(const at::Tensor& log
 // Fixed-capacity variant: same supports, packed into [N, width]. Bad rows are reported through
 // counts = -1 (and overflow) instead of an exception, as on CUDA where raising would need a sync.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cpu(const at::Tensor& logits_in,
-                                                                 const at::Tensor& temperature,
-                                                                 const at::Tensor& top_k, const at::Tensor& top_p,
-                                                                 const at::Tensor& min_p, int64_t width) {
+                                                                 const at::Tensor& temperature, const at::Tensor& top_k,
+                                                                 const at::Tensor& top_p, const at::Tensor& min_p,
+                                                                 int64_t width) {
   check_capture_args(logits_in, temperature, top_k, top_p, min_p);
   TORCH_CHECK(width >= 1, "capture_fixed: width must be >= 1, got ", width);
   const at::Tensor logits = row_major(logits_in);
@@ -367,7 +380,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cpu(const at::Tenso
     double* pp = p.data_ptr<double>();
     double* mpp = mp.data_ptr<double>();
     for (int64_t r = 0; r < n; ++r) {
-      if (!(tp[r] >= 0.0f && !std::isinf(tp[r])) || !(pp[r] > 0.0 && pp[r] <= 1.0) || !(mpp[r] >= 0.0 && mpp[r] <= 1.0)) {
+      if (!(tp[r] >= 0.0f && !std::isinf(tp[r])) || !(pp[r] > 0.0 && pp[r] <= 1.0) ||
+          !(mpp[r] >= 0.0 && mpp[r] <= 1.0)) {
         bad_param[r] = true;
         tp[r] = 1.0f, pp[r] = 1.0, mpp[r] = 0.0;
       }

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernel_math.h"
+#include "kernels/kernel_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -41,9 +41,9 @@ inline __m256 load8(const c10::Half* p) {
 
 // det_exp (kernel_math.h) on 8 lanes: the same operations in the same order, so the same bits.
 inline __m256 det_exp8(__m256 d) {
-  const __m256 n = _mm256_add_ps(
-      _mm256_add_ps(_mm256_mul_ps(d, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(12582912.0f)),
-      _mm256_set1_ps(-12582912.0f));
+  const __m256 n =
+      _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(d, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(12582912.0f)),
+                    _mm256_set1_ps(-12582912.0f));
   const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f),
                                     _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), d));
   __m256 p = _mm256_set1_ps(1.98412698412698413e-4f);
@@ -71,9 +71,21 @@ template <typename T>
 inline void find_defect(const T* z, int64_t v, float temp, LoadResult& r) {
   for (int64_t i = 0; i < v; ++i) {
     const float zi = load_one(z, i);
-    if (zi != zi) { r.bad_code = 1; r.bad_col = i; return; }
-    if (zi == -kNegInf) { r.bad_code = 2; r.bad_col = i; return; }
-    if (mr_div(zi, temp) == -kNegInf) { r.bad_code = 3; r.bad_col = i; return; }
+    if (zi != zi) {
+      r.bad_code = 1;
+      r.bad_col = i;
+      return;
+    }
+    if (zi == -kNegInf) {
+      r.bad_code = 2;
+      r.bad_col = i;
+      return;
+    }
+    if (mr_div(zi, temp) == -kNegInf) {
+      r.bad_code = 3;
+      r.bad_col = i;
+      return;
+    }
   }
 }
 

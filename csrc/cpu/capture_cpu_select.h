@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernel_math.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 namespace cpu {
@@ -40,9 +40,9 @@ inline uint32_t kth_largest_key(const uint32_t* keys, int64_t n, int64_t k, std:
 // `above` is the mass of elements greater than every key given (when the keys are one bucket).
 // Every pass picks the lowest non-empty bin whose top element still qualifies (the mass above
 // a bin's top element is the mass of the bins above it); the threshold lies in that bin.
-inline uint32_t top_p_threshold_key(const uint32_t* keys, const int64_t* mass, int64_t n, double p,
-                                    int64_t total, std::vector<uint32_t>& ka, std::vector<int64_t>& ma,
-                                    std::vector<uint32_t>& kb, std::vector<int64_t>& mb, int64_t above = 0) {
+inline uint32_t top_p_threshold_key(const uint32_t* keys, const int64_t* mass, int64_t n, double p, int64_t total,
+                                    std::vector<uint32_t>& ka, std::vector<int64_t>& ma, std::vector<uint32_t>& kb,
+                                    std::vector<int64_t>& mb, int64_t above = 0) {
   ka.assign(keys, keys + n);
   ma.assign(mass, mass + n);
   uint32_t prefix = 0;

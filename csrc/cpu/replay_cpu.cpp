@@ -14,14 +14,14 @@
 #include <vector>
 
 #include "capture_cpu_loops.h"
+#include "kernels/replay_math.h"
 #include "replay_checks.h"
-#include "replay_math.h"
 
 namespace mask_replay {
 namespace {
 
-constexpr int64_t kChunk = 256;        // values staged per step of a full-row pass (fits in L1)
-constexpr int64_t kSparseGrain = 64;   // rows per task when rows read a few logits each
+constexpr int64_t kChunk = 256;       // values staged per step of a full-row pass (fits in L1)
+constexpr int64_t kSparseGrain = 64;  // rows per task when rows read a few logits each
 
 template <class T, class A>
 A logit(const T* row, int64_t s1, int64_t j, A t) {
@@ -114,8 +114,9 @@ struct RowOut {
 template <class T, class A>
 int8_t support_lse(const T* row, int64_t s1, const RowInputs& in, int64_t r, A t, int64_t y, A& m, double& s, A& xy,
                    bool& found) {
-  return support_scan(in.ids, in.off[r], in.off[r + 1], in.vocab, y, [&](int64_t id) { return logit(row, s1, id, t); },
-                      m, s, xy, found);
+  return support_scan(
+      in.ids, in.off[r], in.off[r + 1], in.vocab, y, [&](int64_t id) { return logit(row, s1, id, t); }, m, s, xy,
+      found);
 }
 
 template <class T, class A>

@@ -8,13 +8,14 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 #include <vector>
 
+#include "kernels/replay_math.h"
 #include "replay_checks.h"
 #include "replay_hidden.h"
-#include "replay_math.h"
 
 namespace mask_replay {
 namespace {
@@ -35,6 +36,51 @@ A dot(const T* a, const T* b, int64_t d) {
 template <class T, class A>
 void axpy(A c, const T* x, A* acc, int64_t d) {
   for (int64_t k = 0; k < d; ++k) acc[k] += c * static_cast<A>(x[k]);
+}
+
+// One piece of the weight gradient: columns [c0, c1) of the row of the token whose entries are
+// the sorted positions [begin, end).
+struct WeightItem {
+  int64_t begin, end, c0, c1;
+};
+
+// Items over the sorted ids: each token's run whole when it is cheap, else cut into column blocks
+// (multiples of 16 columns) of about `target` multiply-adds each. Any cut gives the same bits: a
+// column's sum runs over the token's entries in order, whichever item holds it.
+std::vector<WeightItem> weight_items(const int32_t* sids, int64_t nnz, int64_t d, int64_t threads) {
+  constexpr int64_t kMinWork = int64_t{1} << 15;  // below this an item costs more to schedule than to run
+  const int64_t target = std::max(kMinWork, nnz * d / std::max<int64_t>(1, threads * 8));
+  std::vector<WeightItem> items;
+  int64_t begin = 0;
+  while (begin < nnz) {
+    int64_t end = begin + 1;
+    while (end < nnz && sids[end] == sids[begin]) ++end;
+    const int64_t len = end - begin;
+    const int64_t cols = len * d <= target ? std::max<int64_t>(d, 1) : std::max<int64_t>(16, target / len / 16 * 16);
+    int64_t c0 = 0;
+    do {  // d = 0 still gets its item: it writes the bias
+      items.push_back({begin, end, c0, std::min(d, c0 + cols)});
+      c0 += cols;
+    } while (c0 < d);
+    begin = end;
+  }
+  return items;
+}
+
+// Boundaries b[0] = 0 <= ... <= b[P] = items.size() cutting the items into P consecutive parts of
+// about equal cost (multiply-adds, plus a little per item).
+std::vector<int64_t> balanced_parts(const std::vector<WeightItem>& items, int64_t parts) {
+  int64_t total = 0;
+  for (const WeightItem& it : items) total += (it.end - it.begin) * (it.c1 - it.c0) + 64;
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    done += (items[i].end - items[i].begin) * (items[i].c1 - items[i].c0) + 64;
+    if (done * parts >= total * static_cast<int64_t>(bounds.size()) && i + 1 < static_cast<int64_t>(items.size()))
+      bounds.push_back(i + 1);
+  }
+  bounds.push_back(static_cast<int64_t>(items.size()));
+  return bounds;
 }
 
 template <class T, class A>
@@ -75,9 +121,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cpu(const at::Tensor& 
         A m, xy = 0;
         double s;
         bool found;
-        st = support_scan(in.ids, lo, hi, in.vocab, in.ys[r],
-                          [&](int64_t id) { return head_logit<scalar_t, A>(hp + r * d, wp, hd.ws, bp, id, d, t); },
-                          m, s, xy, found);
+        st = support_scan(
+            in.ids, lo, hi, in.vocab, in.ys[r],
+            [&](int64_t id) { return head_logit<scalar_t, A>(hp + r * d, wp, hd.ws, bp, id, d, t); }, m, s, xy, found);
         if (st == kReplayed) st = row_decision(hi - lo, found, fallback);
         sp[r] = st;
         if (st != kReplayed) continue;  // fallback rows are filled below, errors raised
@@ -90,16 +136,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cpu(const at::Tensor& 
   return finish_hidden_fwd(hd, f, fallback);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
-    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
-    const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
-    const at::Tensor& lse, const at::Tensor& status) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(const at::Tensor& grad, const at::Tensor& hidden,
+                                                              const at::Tensor& weight, const at::Tensor& bias,
+                                                              const at::Tensor& token_ids, const at::Tensor& offsets,
+                                                              const at::Tensor& sampled, const at::Tensor& temperature,
+                                                              const at::Tensor& lse, const at::Tensor& status) {
   const char* op = "replay_from_hidden_bwd";
   const HeadOperands hd = head_operands(op, hidden, weight, bias, token_ids, offsets, sampled, temperature);
   const RowInputs in = hd.rows.view();
   const int64_t n = in.n, d = hd.d, vocab = in.vocab, nnz = in.nnz;
-  const SavedOperands sv = saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()),
-                                          hidden.device());
+  const SavedOperands sv =
+      saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()), hidden.device());
   at::Tensor gh = at::empty({n, d}, hidden.options());
   // Written completely by pass 2 (zeros outside the supports).
   at::Tensor gw = at::empty({vocab, d}, weight.options().memory_format(at::MemoryFormat::Contiguous));
@@ -149,39 +196,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(
     });
     // From here on every id is in [0, V) and every entry has its row.
     raise_row_error("replay_from_hidden_bwd", err, hd.rows);
-    // Pass 2: grad_weight[j] = sum over entries of token j of c * h[row], rows of the vocabulary
-    // in parallel. Entries are grouped by token (stable sort) so each weight row is summed by one
-    // thread in a fixed order: deterministic, no atomics, accumulated in A even for bf16 weights.
-    // Rows of tokens in no support are zeroed in the same pass, so the [V, d] gradient is written
-    // once (a separate zero fill would double the dominant memory traffic).
+    // Pass 2: grad_weight[j] = sum over entries of token j of c * h[row]. Entries are grouped by
+    // token (stable sort), and every column of a weight row is summed by one thread over its
+    // token's entries in that order: deterministic, no atomics, accumulated in A even for bf16
+    // weights, and the same bits for any thread count. The work is cut into (token, column block)
+    // items of balanced cost, so a token in every row (one run of N entries) spreads over all
+    // threads instead of holding one of them for N x d steps.
     at::Tensor sids, order;
     if (nnz > 0) std::tie(sids, order) = at::sort(hd.rows.ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
     const int32_t* sip = nnz > 0 ? sids.const_data_ptr<int32_t>() : nullptr;
     const int64_t* orp = nnz > 0 ? order.const_data_ptr<int64_t>() : nullptr;
-    std::vector<int64_t> seg_start(vocab + 1, -1);  // first sorted position of token j, or -1
-    for (int64_t q = nnz - 1; q >= 0; --q) seg_start[sip[q]] = q;
     scalar_t* gwp = gw.data_ptr<scalar_t>();
     scalar_t* gbp = hd.bias ? gb.data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, vocab, 256, [&](int64_t j0, int64_t j1) {
-      std::vector<A> acc(d);
+    const std::vector<WeightItem> items = weight_items(sip, nnz, d, at::get_num_threads());
+    std::vector<char> present(vocab, 0);
+    for (int64_t q = 0; q < nnz; ++q) present[sip[q]] = 1;
+    // Rows of tokens in no support are zeroed here; the items write every other element once.
+    at::parallel_for(0, vocab, 1024, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
-        scalar_t* out = gwp + j * d;
-        if (seg_start[j] < 0) {
-          std::memset(static_cast<void*>(out), 0, sizeof(scalar_t) * d);
-          if (gbp) gbp[j] = scalar_t(0);
-          continue;
-        }
-        std::fill(acc.begin(), acc.end(), A(0));
+        if (present[j]) continue;
+        std::memset(static_cast<void*>(gwp + j * d), 0, sizeof(scalar_t) * d);
+        if (gbp) gbp[j] = scalar_t(0);
+      }
+    });
+    const std::vector<int64_t> parts = balanced_parts(items, at::get_num_threads() * 8);
+    at::parallel_for(0, static_cast<int64_t>(parts.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<A> acc(d);
+      for (int64_t i = parts[p0]; i < parts[p1]; ++i) {
+        const WeightItem& it = items[i];
+        const int64_t j = sip[it.begin], cols = it.c1 - it.c0;
+        std::fill(acc.begin(), acc.begin() + cols, A(0));
         double bsum = 0.0;
-        for (int64_t q = seg_start[j]; q < nnz && sip[q] == j; ++q) {
+        for (int64_t q = it.begin; q < it.end; ++q) {
           const int64_t e = orp[q];
           const A c = cp[e];
           if (c == A(0)) continue;
-          axpy(c, hp + rp[e] * d, acc.data(), d);
+          axpy(c, hp + rp[e] * d + it.c0, acc.data(), cols);
           bsum += static_cast<double>(c);
         }
-        for (int64_t k = 0; k < d; ++k) out[k] = static_cast<scalar_t>(acc[k]);
-        if (gbp) gbp[j] = static_cast<scalar_t>(bsum);
+        scalar_t* out = gwp + j * d + it.c0;
+        for (int64_t k = 0; k < cols; ++k) out[k] = static_cast<scalar_t>(acc[k]);
+        if (gbp && it.c0 == 0) gbp[j] = static_cast<scalar_t>(bsum);
       }
     });
   });

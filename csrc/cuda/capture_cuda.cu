@@ -4,7 +4,7 @@
 // Every row's support is {i : x_i finite, order_key(x_i) >= max(K0, K1, K2)} with K0 the min-p
 // threshold, K1 the k-th largest key and K2 the top-p key, because each filter keeps an upper set
 // of keys. The kernels therefore only have to find three keys per row; all decisions go through
-// kernel_math.h / capture_select.h, so they match the CPU kernel bit for bit.
+// kernels/ (kernel_math.h, det_log.h, capture_select.h), so they match the CPU kernel bit for bit.
 //
 // A row is split over B blocks (B > 1 when rows are few, so batch 1 fills the GPU). Each pass is
 // one launch over all N * B blocks; the blocks of a row merge their histograms in global memory
@@ -32,17 +32,17 @@
 #include <tuple>
 
 #include "capture_checks.h"
-#include "capture_scan.h"
-#include "capture_select.h"
-#include "kernel_math.h"
+#include "kernels/capture_scan.h"
+#include "kernels/capture_select.h"
+#include "kernels/det_log.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int64_t kMinChunk = 2048;    // below this, splitting a row costs more than it gains
-constexpr int kBlocksPerSm = 4;        // target occupancy when rows are few
-constexpr int64_t kMaxVocab = 1 << 23; // keeps V * 2^40 (the all-tied row's mass) below 2^63
+constexpr int64_t kMinChunk = 2048;     // below this, splitting a row costs more than it gains
+constexpr int64_t kMaxVocab = 1 << 23;  // keeps V * 2^40 (the all-tied row's mass) below 2^63
 // Candidate buffer per row: as large as 64 MiB for the batch allows, up to 16384 entries (one
 // block histograms that many in a few microseconds); below 256 entries it is not worth a pass.
 constexpr int64_t kCandBytes = int64_t{64} << 20;
@@ -69,21 +69,21 @@ __host__ __device__ __forceinline__ unsigned long long max_u64(unsigned long lon
 
 // Per-row state carried between launches. Zeroed before the first launch.
 struct alignas(16) RowState {
-  unsigned long long argmax;  // greedy rows: pack_argmax over finite values (atomicMax)
-  unsigned long long defect;  // pack_defect of the first NaN / +inf / overflow (atomicMax)
+  unsigned long long argmax;    // greedy rows: pack_argmax over finite values (atomicMax)
+  unsigned long long defect;    // pack_defect of the first NaN / +inf / overflow (atomicMax)
   unsigned long long mass_all;  // logz: sum of all masses (atomicAdd, exact)
-  long long kneed;            // top-k: rank of the k-th key inside the current bucket
-  long long mass_above;       // top-p: mass of the domain above the current bucket
-  long long total_mass;       // top-p: Z
-  unsigned int any_finite;    // some x is finite (atomicOr)
-  unsigned int max_key;       // order_key of the largest finite x (atomicMax)
-  unsigned int done;          // blocks of this row done with the current launch
+  long long kneed;              // top-k: rank of the k-th key inside the current bucket
+  long long mass_above;         // top-p: mass of the domain above the current bucket
+  long long total_mass;         // top-p: Z
+  unsigned int any_finite;      // some x is finite (atomicOr)
+  unsigned int max_key;         // order_key of the largest finite x (atomicMax)
+  unsigned int done;            // blocks of this row done with the current launch
   int status;
-  unsigned int k0, k1, k2;    // min-p, top-k, top-p threshold keys (0: no constraint)
+  unsigned int k0, k1, k2;  // min-p, top-k, top-p threshold keys (0: no constraint)
   unsigned int prefix_k, prefix_p;
   int greedy, topk_on, topp_on;
-  float m;                    // max of finite x
-  unsigned int cand_count;    // entries appended to the candidate buffer (atomicAdd)
+  float m;                  // max of finite x
+  unsigned int cand_count;  // entries appended to the candidate buffer (atomicAdd)
   // kCand* below, one per filter ([0] top-k, [1] top-p; they share the buffer, top-k first).
   // Separate so that no pass resets the other's: in a buffered pass block 0 decides alone while
   // the row's other blocks may still be reading the state to find out that they have no work.
@@ -122,12 +122,13 @@ __device__ __forceinline__ Slice my_slice(const Geometry& g) {
 
 // ---------------------------------------------------------------------------------------------
 // Pass 1: first defect, row max (or greedy argmax), then threshold K0 and the selection state.
+// Four blocks per SM: the row loop fits 32 registers, and the decision's det_log (once per row)
+// would otherwise raise the whole kernel to 40; it spills there instead.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
-             const int64_t* __restrict__ top_k, const double* __restrict__ top_p,
-             const double* __restrict__ min_p, const float* __restrict__ log_min_p,
-             RowState* __restrict__ states, int64_t* __restrict__ status_out) {
+__global__ void __launch_bounds__(kThreads, 4)
+    stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
+                 const int64_t* __restrict__ top_k, const double* __restrict__ top_p, const double* __restrict__ min_p,
+                 RowState* __restrict__ states, int64_t* __restrict__ status_out) {
   const Slice sl = my_slice(g);
   const scalar_t* z = logits + sl.row * g.row_stride;
   RowState* st = states + sl.row;
@@ -222,8 +223,7 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
   const float m = key_value(atomicMax(&st->max_key, 0u));
   st->m = m;
   if (min_p_active(mp)) {
-    const float lm = log_min_p ? log_min_p[sl.row] : static_cast<float>(log(mp));
-    st->k0 = order_key(mr_add(m, lm));
+    st->k0 = order_key(mr_add(m, det_log(mp)));  // the CPU kernel's log, bit for bit
   } else {
     st->k0 = order_key(kLowestFinite);
   }
@@ -233,8 +233,7 @@ stats_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
 
 // Candidate-buffer state after a pass chose a bucket of `in_bucket` entries. Collecting pays only
 // when a later pass reads the buffer, so it starts at pass 1 or 2. False if a collection overran.
-__device__ bool advance_candidates(RowState* st, int which, int cstate, int pass, unsigned int in_bucket,
-                                   int64_t cap) {
+__device__ bool advance_candidates(RowState* st, int which, int cstate, int pass, unsigned int in_bucket, int64_t cap) {
   if (cstate == kCandCollect) {
     if (atomicAdd(&st->cand_count, 0u) > cap) return false;
     st->cand_state[which] = kCandReady;
@@ -248,8 +247,7 @@ __device__ bool advance_candidates(RowState* st, int which, int cstate, int pass
 // Lanes of a warp that hit the same bin add once: logits crowd into a few top-digit bins, where
 // plain shared-memory atomics would serialise up to 32 ways. Integer sums: any grouping is exact.
 template <bool WITH_MASS>
-__device__ __forceinline__ void add_to_bin(unsigned int* count, unsigned long long* mass, int d,
-                                           unsigned long long q) {
+__device__ __forceinline__ void add_to_bin(unsigned int* count, unsigned long long* mass, int d, unsigned long long q) {
   namespace cg = cooperative_groups;
   const cg::coalesced_group peers = cg::labeled_partition(cg::coalesced_threads(), d);
   if (WITH_MASS) {
@@ -268,11 +266,11 @@ __device__ __forceinline__ void add_to_bin(unsigned int* count, unsigned long lo
 // also sums the normaliser for logz and learns |S0|, which decides whether top-k is active.
 template <typename scalar_t, bool TOPP>
 __global__ void __launch_bounds__(kThreads)
-select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
-              const double* __restrict__ top_p, RowState* __restrict__ states, int pass,
-              bool want_logz, float* __restrict__ logz_out, unsigned int* __restrict__ g_count,
-              unsigned long long* __restrict__ g_mass, unsigned int* __restrict__ cand_key,
-              unsigned long long* __restrict__ cand_mass, int64_t* __restrict__ status_out) {
+    select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
+                  const double* __restrict__ top_p, RowState* __restrict__ states, int pass, bool want_logz,
+                  float* __restrict__ logz_out, unsigned int* __restrict__ g_count,
+                  unsigned long long* __restrict__ g_mass, unsigned int* __restrict__ cand_key,
+                  unsigned long long* __restrict__ cand_mass, int64_t* __restrict__ status_out) {
   using Reduce = cub::BlockReduce<unsigned long long, kThreads>;
   __shared__ typename Reduce::TempStorage reduce_tmp;
   __shared__ unsigned int s_count[kRadixBins];
@@ -322,8 +320,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
       if (!on) return;
       const unsigned int key = order_key(x);
       if (key < lo || (key & pmask) != prefix) return;
-      const unsigned long long q =
-          TOPP ? static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m)))) : 0ull;
+      const unsigned long long q = TOPP ? static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m)))) : 0ull;
       add_to_bin<TOPP>(s_count, s_mass, radix_digit(key, pass), q);
       if (collect) {
         const unsigned int pos = atomicAdd(&st->cand_count, 1u);
@@ -350,8 +347,7 @@ select_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __re
     if (logz_here && threadIdx.x == 0 && block_sum) atomicAdd(&st->mass_all, block_sum);
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0)
-      last = atomicAdd(&st->done, 1u) == static_cast<unsigned int>(g.blocks_per_row - 1);
+    if (threadIdx.x == 0) last = atomicAdd(&st->done, 1u) == static_cast<unsigned int>(g.blocks_per_row - 1);
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -434,8 +430,8 @@ __device__ __forceinline__ unsigned int final_threshold(const RowState* st) {
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-count_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
-             const RowState* __restrict__ states, int64_t* __restrict__ block_counts) {
+    count_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
+                 const RowState* __restrict__ states, int64_t* __restrict__ block_counts) {
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   const Slice sl = my_slice(g);
@@ -468,9 +464,9 @@ count_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __res
 // positions >= limit (capture_fixed's width; "no limit" for CSR).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-fill_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
-            const RowState* __restrict__ states, const int64_t* __restrict__ block_start,
-            int32_t* __restrict__ out, int64_t row_width, int64_t limit) {
+    fill_kernel(const scalar_t* __restrict__ logits, Geometry g, const float* __restrict__ temp,
+                const RowState* __restrict__ states, const int64_t* __restrict__ block_start, int32_t* __restrict__ out,
+                int64_t row_width, int64_t limit) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
   const Slice sl = my_slice(g);
@@ -523,17 +519,58 @@ int sm_count(int device) {
   return sms;
 }
 
-Geometry make_geometry(const at::Tensor& z) {
+// Blocks of kThreads that one SM runs at once in every pass, for this dtype: the smallest over the
+// kernels (ptxas, sm_90: stats and count fit 4, select and fill 3, fp16 top-k select 2), so that a
+// grid sized by it comes in whole waves in every pass. Queried once per device (no sync).
+template <typename scalar_t>
+int resident_blocks_per_sm(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  if (device >= 0 && device < kMaxDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int fewest = std::numeric_limits<int>::max();
+  auto query = [&](auto kernel) {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+    fewest = blocks < fewest ? blocks : fewest;
+  };
+  query(stats_kernel<scalar_t>);
+  query(select_kernel<scalar_t, false>);
+  query(select_kernel<scalar_t, true>);
+  query(count_kernel<scalar_t>);
+  query(fill_kernel<scalar_t>);
+  fewest = fewest > 1 ? fewest : 1;
+  if (device >= 0 && device < kMaxDevices) cache[device].store(fewest, std::memory_order_relaxed);
+  return fewest;
+}
+
+// Blocks per row when `slots` blocks run at once: b blocks per row take about ceil(n b / slots)
+// waves of V / b elements each. The b with the fewest elements per slot wins (ties: the smaller,
+// fewer merges), among those up to about two waves: n = 256 rows on 396 slots take b = 3 (1.9
+// waves, 2/3 of a row per slot), not 2 (1.3 waves, a tail as long as a wave).
+int64_t pick_blocks_per_row(int64_t n, int64_t max_b, int64_t slots) {
+  const int64_t limit_b = 2 * ((slots + n - 1) / n);
+  int64_t best = 1, best_waves = (n + slots - 1) / slots;
+  for (int64_t b = 2; b <= max_b && b <= limit_b; ++b) {
+    const int64_t waves = (n * b + slots - 1) / slots;
+    if (waves * best < best_waves * b) {  // waves / b < best_waves / best
+      best = b;
+      best_waves = waves;
+    }
+  }
+  return best;
+}
+
+Geometry make_geometry(const at::Tensor& z, int blocks_per_sm) {
   Geometry g;
   g.n = z.size(0);
   g.v = z.size(1);
   g.row_stride = z.stride(0);
-  const int sms = sm_count(z.get_device());
-  const int64_t target = static_cast<int64_t>(sms) * kBlocksPerSm;
-  int64_t b = (target + g.n - 1) / g.n;
+  const int64_t slots = static_cast<int64_t>(sm_count(z.get_device())) * blocks_per_sm;
   const int64_t max_b = g.v / kMinChunk > 1 ? g.v / kMinChunk : 1;
-  b = b < max_b ? b : max_b;
-  b = b > 1 ? b : 1;
+  const int64_t b = pick_blocks_per_row(g.n, max_b, slots);
   g.chunk = (g.v + b - 1) / b;
   g.blocks_per_row = static_cast<int>((g.v + g.chunk - 1) / g.chunk);  // no empty slices
   TORCH_CHECK(g.n * g.blocks_per_row <= std::numeric_limits<int32_t>::max(), "capture: too many rows (", g.n, ")");
@@ -571,8 +608,8 @@ T* ptr_or_null(const at::Tensor& t) {
 // the host knows it (CSR path); otherwise their rows return at once.
 template <typename scalar_t>
 void select_support(const at::Tensor& z, const Geometry& g, Workspace& w, const at::Tensor& temperature,
-                    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
-                    const float* log_min_p, float* logz, bool any_topk, bool any_topp) {
+                    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p, float* logz,
+                    bool any_topk, bool any_topp) {
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const scalar_t* zp = reinterpret_cast<const scalar_t*>(z.data_ptr());
   const dim3 grid(static_cast<unsigned int>(g.n * g.blocks_per_row));
@@ -585,21 +622,20 @@ void select_support(const at::Tensor& z, const Geometry& g, Workspace& w, const 
   auto* cm = ptr_or_null<unsigned long long>(w.cand_mass);
 
   stats_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(zp, g, t, top_k.data_ptr<int64_t>(), p,
-                                                        min_p.data_ptr<double>(), log_min_p, states,
-                                                        w.status.data_ptr<int64_t>());
+                                                        min_p.data_ptr<double>(), states, w.status.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const bool want_logz = logz != nullptr;
   if (any_topk || want_logz) {
     for (int pass = 0; pass < 4 && (pass == 0 || any_topk); ++pass) {
-      select_kernel<scalar_t, false><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, want_logz,
-                                                                   logz, gc, gm, ck, cm, w.status.data_ptr<int64_t>());
+      select_kernel<scalar_t, false><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, want_logz, logz, gc, gm,
+                                                                    ck, cm, w.status.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
   if (any_topp) {
     for (int pass = 0; pass < 4; ++pass) {
-      select_kernel<scalar_t, true><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, false,
-                                                                  nullptr, gc, gm, ck, cm, w.status.data_ptr<int64_t>());
+      select_kernel<scalar_t, true><<<grid, kThreads, 0, stream>>>(zp, g, t, p, states, pass, false, nullptr, gc, gm,
+                                                                   ck, cm, w.status.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -612,10 +648,10 @@ void fill_support(const at::Tensor& z, const Geometry& g, Workspace& w, const at
                   const at::Tensor& block_start, at::Tensor& out, int64_t row_width, int64_t limit) {
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned int>(g.n * g.blocks_per_row));
-  fill_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
-      reinterpret_cast<const scalar_t*>(z.data_ptr()), g, temperature.data_ptr<float>(),
-      reinterpret_cast<const RowState*>(w.states.data_ptr()), block_start.data_ptr<int64_t>(),
-      out.data_ptr<int32_t>(), row_width, limit);
+  fill_kernel<scalar_t>
+      <<<grid, kThreads, 0, stream>>>(reinterpret_cast<const scalar_t*>(z.data_ptr()), g, temperature.data_ptr<float>(),
+                                      reinterpret_cast<const RowState*>(w.states.data_ptr()),
+                                      block_start.data_ptr<int64_t>(), out.data_ptr<int32_t>(), row_width, limit);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -623,17 +659,28 @@ void fill_support(const at::Tensor& z, const Geometry& g, Workspace& w, const at
 template <typename F>
 void dispatch_logits(at::ScalarType st, F&& f) {
   switch (st) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    default: TORCH_CHECK(false, "capture: unsupported logits dtype ", st);
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kHalf:
+      f(at::Half{});
+      break;
+    case at::kBFloat16:
+      f(at::BFloat16{});
+      break;
+    default:
+      TORCH_CHECK(false, "capture: unsupported logits dtype ", st);
   }
 }
 
-// Logits with unit stride along the vocabulary are read in place; anything else is copied once.
-at::Tensor rows_view(const at::Tensor& logits) {
-  return logits.stride(1) == 1 ? logits : logits.contiguous();
+int capture_blocks_per_sm(const at::Tensor& z) {
+  int blocks = 1;
+  dispatch_logits(z.scalar_type(), [&](auto tag) { blocks = resident_blocks_per_sm<decltype(tag)>(z.get_device()); });
+  return blocks;
 }
+
+// Logits with unit stride along the vocabulary are read in place; anything else is copied once.
+at::Tensor rows_view(const at::Tensor& logits) { return logits.stride(1) == 1 ? logits : logits.contiguous(); }
 
 void check_common(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                   const at::Tensor& top_p, const at::Tensor& min_p) {
@@ -648,29 +695,33 @@ void check_common(const at::Tensor& logits, const at::Tensor& temperature, const
   const int status = static_cast<int>(report & 0xff);
   const int64_t col = report >> 8;
   switch (status) {
-    case kNaN: TORCH_CHECK(false, "capture: row ", row, " contains NaN (column ", col, ")");
-    case kPosInf: TORCH_CHECK(false, "capture: row ", row, " contains +inf (column ", col, ")");
+    case kNaN:
+      TORCH_CHECK(false, "capture: row ", row, " contains NaN (column ", col, ")");
+    case kPosInf:
+      TORCH_CHECK(false, "capture: row ", row, " contains +inf (column ", col, ")");
     case kOverflow:
-      TORCH_CHECK(false, "capture: row ", row, " overflows to +inf after dividing by the temperature (column ",
-                  col, ")");
-    case kNoFinite: TORCH_CHECK(false, "capture: row ", row, " has no finite logit");
-    case kBadParam: TORCH_CHECK(false, "capture: row ", row, " has invalid sampling parameters");
-    default: TORCH_CHECK(false, "capture: internal error in the CUDA selection at row ", row, " (status ", status, ")");
+      TORCH_CHECK(false, "capture: row ", row, " overflows to +inf after dividing by the temperature (column ", col,
+                  ")");
+    case kNoFinite:
+      TORCH_CHECK(false, "capture: row ", row, " has no finite logit");
+    case kBadParam:
+      TORCH_CHECK(false, "capture: row ", row, " has invalid sampling parameters");
+    default:
+      TORCH_CHECK(false, "capture: internal error in the CUDA selection at row ", row, " (status ", status, ")");
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& logits,
-                                                             const at::Tensor& temperature,
-                                                             const at::Tensor& top_k, const at::Tensor& top_p,
-                                                             const at::Tensor& min_p, bool compute_logz) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& logits, const at::Tensor& temperature,
+                                                            const at::Tensor& top_k, const at::Tensor& top_p,
+                                                            const at::Tensor& min_p, bool compute_logz) {
   check_common(logits, temperature, top_k, top_p, min_p);
   c10::cuda::CUDAGuard guard(logits.device());
   const auto dev = logits.options();
   const int64_t n = logits.size(0), v = logits.size(1);
 
-  // The parameters are tiny; checking them on the host gives the CPU kernel's messages, and the
-  // min-p logs are taken with the host's log so that K0 is the CPU kernel's exactly. One copy (one
-  // sync) brings all four: 8-byte types first keeps every slice aligned for its dtype.
+  // The parameters are tiny; checking them on the host gives the CPU kernel's messages and tells
+  // which passes any row needs. One copy (one sync) brings all four: 8-byte types first keeps
+  // every slice aligned for its dtype.
   const at::Tensor tt = temperature.contiguous(), kk = top_k.contiguous(), pp = top_p.contiguous(),
                    mm = min_p.contiguous();
   const at::Tensor packed =
@@ -686,29 +737,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
   TORCH_CHECK(v > 0, "capture: row 0 has no finite logit");
 
   bool any_topk = false, any_topp = false;
-  at::Tensor log_mp_h = at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
   {
     const int64_t* k = k_h.data_ptr<int64_t>();
     const double* p = p_h.data_ptr<double>();
-    const double* mp = mp_h.data_ptr<double>();
     const float* t = t_h.data_ptr<float>();
-    float* lm = log_mp_h.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {
       const bool sampled = t[r] != 0.0f;
       any_topk |= sampled && k[r] > 0;
       any_topp |= sampled && top_p_active(p[r]);
-      lm[r] = min_p_active(mp[r]) ? static_cast<float>(std::log(mp[r])) : 0.0f;
     }
   }
-  const at::Tensor log_mp = log_mp_h.to(logits.device(), /*non_blocking=*/true);
 
   const at::Tensor z = rows_view(logits);
-  const Geometry g = make_geometry(z);
+  const Geometry g = make_geometry(z, capture_blocks_per_sm(z));
   Workspace w = make_workspace(g, dev);
   dispatch_logits(z.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    select_support<scalar_t>(z, g, w, tt, kk, pp, mm, log_mp.data_ptr<float>(),
-                             compute_logz ? logz.data_ptr<float>() : nullptr, any_topk, any_topp);
+    select_support<scalar_t>(z, g, w, tt, kk, pp, mm, compute_logz ? logz.data_ptr<float>() : nullptr, any_topk,
+                             any_topp);
   });
 
   // Block b of row r writes at the running total of all earlier (row, block) counts.
@@ -721,8 +767,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
   const int64_t nnz = h[n];
 
   at::Tensor token_ids = at::empty({nnz}, dev.dtype(at::kInt));
-  at::Tensor offsets = at::cat({at::zeros({1}, dev.dtype(at::kLong)),
-                                incl.view({n, g.blocks_per_row}).select(1, g.blocks_per_row - 1)});
+  at::Tensor offsets =
+      at::cat({at::zeros({1}, dev.dtype(at::kLong)), incl.view({n, g.blocks_per_row}).select(1, g.blocks_per_row - 1)});
   if (nnz > 0) {
     dispatch_logits(z.scalar_type(), [&](auto tag) {
       using scalar_t = decltype(tag);
@@ -733,10 +779,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cuda(const at::Tensor& lo
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cuda(const at::Tensor& logits,
-                                                                   const at::Tensor& temperature,
-                                                                   const at::Tensor& top_k,
-                                                                   const at::Tensor& top_p,
-                                                                   const at::Tensor& min_p, int64_t width) {
+                                                                  const at::Tensor& temperature,
+                                                                  const at::Tensor& top_k, const at::Tensor& top_p,
+                                                                  const at::Tensor& min_p, int64_t width) {
   check_common(logits, temperature, top_k, top_p, min_p);
   TORCH_CHECK(width >= 1, "capture_fixed: width must be >= 1, got ", width);
   c10::cuda::CUDAGuard guard(logits.device());
@@ -745,18 +790,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cuda(const at::Tens
 
   at::Tensor ids = at::full({n, width}, -1, dev.dtype(at::kInt));
   if (n == 0) return {ids, at::empty({0}, dev.dtype(at::kLong)), at::empty({0}, dev.dtype(at::kBool))};
-  if (v == 0)
-    return {ids, at::full({n}, -1, dev.dtype(at::kLong)), at::ones({n}, dev.dtype(at::kBool))};
+  if (v == 0) return {ids, at::full({n}, -1, dev.dtype(at::kLong)), at::ones({n}, dev.dtype(at::kBool))};
 
   const at::Tensor tt = temperature.contiguous(), kk = top_k.contiguous(), pp = top_p.contiguous(),
                    mm = min_p.contiguous();
   const at::Tensor z = rows_view(logits);
-  const Geometry g = make_geometry(z);
+  const Geometry g = make_geometry(z, capture_blocks_per_sm(z));
   Workspace w = make_workspace(g, dev);
   // No host look at the parameters here: every pass is launched and idle rows return at once.
   dispatch_logits(z.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    select_support<scalar_t>(z, g, w, tt, kk, pp, mm, nullptr, nullptr, true, true);
+    select_support<scalar_t>(z, g, w, tt, kk, pp, mm, nullptr, true, true);
   });
 
   const at::Tensor per_block = w.block_counts.view({n, g.blocks_per_row});

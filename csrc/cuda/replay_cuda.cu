@@ -1,21 +1,25 @@
 // CUDA kernels of the replay ops. One warp per row: a row of K reads |K| (mean ~8) gathered logits,
-// so a block per row would leave most threads idle; full-vocabulary rows (fallback, full_fwd,
-// kept_mass) stride the row across the warp's lanes with coalesced loads. Per-row defects are
-// written as negative status codes and raised on the host after one copy of the status (the
-// forward's only synchronisation).
+// so a block per row would leave most threads idle. Full-vocabulary rows (full_fwd/bwd, kept_mass,
+// the fallback rows of replay_fwd/bwd) get a block each, reading the row 16 bytes per load
+// (kernels/row_groups.h); replay's fallback rows are left by the warp kernel to a second launch.
+// Per-row defects are written as negative status codes and raised on the host after one copy of
+// the status (the forward's only synchronisation).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/sort.h>
 #include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <limits>
+
+#include "kernels/replay_math.h"
+#include "kernels/row_groups.h"
 #include "replay_checks.h"
 #include "replay_hidden.h"
-#include "replay_math.h"
 
 namespace mask_replay {
 namespace {
@@ -25,7 +29,16 @@ constexpr int kRowsPerBlock = 8;
 constexpr int kThreads = kWarp * kRowsPerBlock;
 constexpr unsigned kFull = 0xffffffffu;
 
+// Full-vocabulary rows: a block each. 16 warps with 4 loads of 16 bytes in flight per thread keep
+// enough bytes moving even when the rows are few (N = 256 fills two blocks per SM).
+constexpr int kRowThreads = 512;
+constexpr int kRowWarps = kRowThreads / kWarp;
+
 unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock); }
+unsigned row_blocks(int64_t rows) {
+  TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max(), "replay: too many rows (", rows, ")");
+  return static_cast<unsigned>(rows);
+}
 
 // The row (or item) of this warp; uniform across its lanes, so whole warps exit together and
 // the full-mask shuffles below are always legal.
@@ -40,8 +53,11 @@ __device__ __forceinline__ A warp_sum(A v) {
   for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
 }
-__device__ __forceinline__ int warp_min(int v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(kFull, v, o));
+__device__ __forceinline__ int64_t warp_min(int64_t v) {
+  for (int o = kWarp / 2; o > 0; o >>= 1) {
+    const int64_t w = __shfl_xor_sync(kFull, static_cast<long long>(v), o);
+    v = w < v ? w : v;
+  }
   return v;
 }
 template <class A>
@@ -58,30 +74,58 @@ __device__ __forceinline__ A logit_at(const T* row, int64_t s1, int64_t j, A t) 
   return static_cast<A>(row[j * s1]) / t;
 }
 
+// Logsumexp of a whole row of x = z / t across the block; every thread gets it. Which elements a
+// thread sums, and in which order, depends only on the vocabulary size, and the merge is a fixed
+// tree (warps, then the warps' results): the same bits on every run and for every layout.
 template <class T, class A>
-__device__ double warp_full_lse(const T* row, int64_t s1, int64_t vocab, A t) {
+__device__ double block_full_lse(const T* row, int64_t s1, int64_t vocab, A t) {
+  __shared__ A s_m[kRowWarps];
+  __shared__ double s_s[kRowWarps];
   A m = neg_inf<A>();
   double s = 0.0;
-  for (int64_t j = lane_id(); j < vocab; j += kWarp) lse_push(m, s, logit_at(row, s1, j, t));
+  for_each_row_group(row, s1, vocab, threadIdx.x, kRowThreads,
+                     [&](int64_t, T z) { lse_push(m, s, static_cast<A>(z) / t); });
   warp_lse(m, s);
-  return lse_value(m, s);
+  const int warp = threadIdx.x / kWarp;
+  if (lane_id() == 0) {
+    s_m[warp] = m;
+    s_s[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane_id() < kRowWarps ? s_m[lane_id()] : neg_inf<A>();
+    s = lane_id() < kRowWarps ? s_s[lane_id()] : 0.0;
+    warp_lse(m, s);
+    if (lane_id() == 0) {
+      s_m[0] = m;
+      s_s[0] = s;
+    }
+  }
+  __syncthreads();
+  const double l = lse_value(s_m[0], s_s[0]);
+  __syncthreads();  // the next call writes s_m / s_s again
+  return l;
+}
+
+// Checks the row's entries [lo, hi) across the warp: the first failing entry's error, as the
+// CPU's sequential check reports it (uniform across the lanes).
+__device__ __forceinline__ int warp_check_entries(const int32_t* ids, int64_t lo, int64_t hi, int64_t vocab) {
+  return entry_error_code(warp_min(lane_entry_errors(ids, lo, hi, vocab, lane_id(), kWarp)));
 }
 
 // Logsumexp over the row's support and the sampled token's x. Returns the row status (uniform).
 template <class T, class A>
 __device__ int warp_support_lse(const T* row, int64_t s1, int64_t vocab, const int32_t* ids, int64_t lo, int64_t hi,
                                 int64_t y, A t, A& m, double& s, A& xy, bool& found) {
-  int bad = kReplayed, hit = 0;
   m = neg_inf<A>();
   s = 0.0;
   xy = 0;
+  found = false;
+  const int bad = warp_check_entries(ids, lo, hi, vocab);  // the ids again below: from L1
+  if (bad != kReplayed) return bad;
+  int hit = 0;
   for (int64_t e = lo + lane_id(); e < hi; e += kWarp) {
     const int64_t id = ids[e];
-    const int es = check_entry(id, e > lo ? static_cast<int64_t>(ids[e - 1]) : -1, vocab);
-    if (es != kReplayed) {
-      bad = min(bad, es);
-      continue;
-    }
     const A x = logit_at(row, s1, id, t);
     lse_push(m, s, x);
     if (id == y) {
@@ -93,7 +137,7 @@ __device__ int warp_support_lse(const T* row, int64_t s1, int64_t vocab, const i
   const unsigned who = __ballot_sync(kFull, hit);
   if (who) xy = __shfl_sync(kFull, xy, __ffs(who) - 1);
   found = who != 0;
-  return warp_min(bad);
+  return kReplayed;
 }
 
 // Row r of a backward op: d logp / d z_j = (g / T)(1[j = y] - p_j), written into the gradient row.
@@ -105,25 +149,20 @@ struct GradRow {
   double l;
   int64_t y;
   __device__ GradRow(const A* g, const T* z, int64_t s0, const RowInputs& in, const A* lse, T* out, int64_t r)
-      : row(z + r * s0), o(out + r * in.vocab), t(static_cast<A>(in.ts[r])), gt(g[r] / t),
-        l(static_cast<double>(lse[r])), y(in.ys[r]) {}
-  __device__ void write(int64_t s1, int64_t j) const {
-    o[j] = static_cast<T>(grad_coef(gt, prob_of(logit_at(row, s1, j, t), l), j == y));
+      : row(z + r * s0),
+        o(out + r * in.vocab),
+        t(static_cast<A>(in.ts[r])),
+        gt(g[r] / t),
+        l(static_cast<double>(lse[r])),
+        y(in.ys[r]) {}
+  __device__ T value(int64_t j, T z) const {
+    return static_cast<T>(grad_coef(gt, prob_of(static_cast<A>(z) / t, l), j == y));
   }
-  __device__ void write_all(int64_t s1, int64_t vocab) const {  // the whole row, strided across the warp
-    for (int64_t j = lane_id(); j < vocab; j += kWarp) write(s1, j);
+  __device__ void write(int64_t s1, int64_t j) const { o[j] = value(j, row[j * s1]); }
+  __device__ void write_all(int64_t s1, int64_t vocab) const {  // the whole row across the block
+    for_each_row_group(row, s1, vocab, threadIdx.x, kRowThreads, [&](int64_t j, T z) { o[j] = value(j, z); });
   }
 };
-
-// Checks row r's entries across the warp (each lane an entry and its predecessor); uniform result.
-__device__ int warp_check_entries(const RowInputs& in, int64_t r) {
-  const int64_t lo = in.off[r], hi = in.off[r + 1];
-  int bad = kReplayed;
-  for (int64_t e = lo + lane_id(); e < hi; e += kWarp)
-    bad = min(bad, static_cast<int>(check_entry(in.ids[e], e > lo ? static_cast<int64_t>(in.ids[e - 1]) : -1,
-                                                in.vocab)));
-  return warp_min(bad);
-}
 
 template <class T, class A>
 __global__ void replay_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in, bool fallback,
@@ -144,14 +183,27 @@ __global__ void replay_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s
     if (st == kReplayed) st = row_decision(hi - lo, found, fallback);
     if (st == kReplayed) l = lse_value(m, s);
   }
-  if (st > 0) {
-    l = warp_full_lse(row, s1, in.vocab, t);
-    xy = logit_at(row, s1, in.ys[r], t);
-  }
   if (lane_id() == 0) {
     status[r] = static_cast<int8_t>(st);
-    lse[r] = static_cast<A>(st >= 0 ? l : 0.0);
-    logp[r] = static_cast<A>(st >= 0 ? static_cast<double>(xy) - l : 0.0);
+    if (st > 0) return;  // fallback rows: fallback_fwd_kernel
+    lse[r] = static_cast<A>(st == kReplayed ? l : 0.0);
+    logp[r] = static_cast<A>(st == kReplayed ? static_cast<double>(xy) - l : 0.0);
+  }
+}
+
+// The fallback rows of replay_fwd (status > 0), a block each: log-probs over the full vocabulary.
+template <class T, class A>
+__global__ void __launch_bounds__(kRowThreads)
+    fallback_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in, A* __restrict__ logp,
+                        A* __restrict__ lse, const int8_t* __restrict__ status) {
+  const int64_t r = blockIdx.x;
+  if (status[r] <= 0) return;
+  const T* row = z + r * s0;
+  const A t = static_cast<A>(in.ts[r]);
+  const double l = block_full_lse(row, s1, in.vocab, t);
+  if (threadIdx.x == 0) {
+    lse[r] = static_cast<A>(l);
+    logp[r] = static_cast<A>(static_cast<double>(logit_at(row, s1, in.ys[r], t)) - l);
   }
 }
 
@@ -164,32 +216,40 @@ __global__ void replay_bwd_kernel(const A* __restrict__ g, const T* __restrict__
   const int64_t r = warp_item();
   if (r >= in.n) return;
   int e = precheck_row(in, r);
-  if (e == kReplayed) e = warp_check_entries(in, r);
+  if (e == kReplayed) e = warp_check_entries(in.ids, in.off[r], in.off[r + 1], in.vocab);
   if (lane_id() == 0) err[r] = static_cast<int8_t>(e);
-  const int8_t st = status[r];
-  if (e != kReplayed || st < 0) return;
+  if (e != kReplayed || status[r] != kReplayed) return;  // fallback rows: fallback_bwd_kernel
   const GradRow<T, A> gr(g, z, s0, in, lse, out, r);
-  if (st > 0) {
-    gr.write_all(s1, in.vocab);
-    return;
-  }
   for (int64_t q = in.off[r] + lane_id(); q < in.off[r + 1]; q += kWarp) gr.write(s1, in.ids[q]);
 }
 
+// The fallback rows of replay_bwd (valid, status > 0), a block each: the full-vocabulary gradient.
+// err was written by replay_bwd_kernel, launched before on the same stream.
 template <class T, class A>
-__global__ void full_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in,
-                                A* __restrict__ logp, A* __restrict__ lse, int8_t* __restrict__ status) {
-  const int64_t r = warp_item();
-  if (r >= in.n) return;
-  const int st = precheck_row(in, r);
+__global__ void __launch_bounds__(kRowThreads)
+    fallback_bwd_kernel(const A* __restrict__ g, const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in,
+                        const A* __restrict__ lse, const int8_t* __restrict__ status, const int8_t* __restrict__ err,
+                        T* __restrict__ out) {
+  const int64_t r = blockIdx.x;
+  if (err[r] != kReplayed || status[r] <= 0) return;
+  GradRow<T, A>(g, z, s0, in, lse, out, r).write_all(s1, in.vocab);
+}
+
+// A block per row, as every full-vocabulary kernel below.
+template <class T, class A>
+__global__ void __launch_bounds__(kRowThreads)
+    full_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in, A* __restrict__ logp,
+                    A* __restrict__ lse, int8_t* __restrict__ status) {
+  const int64_t r = blockIdx.x;
+  const int st = precheck_row(in, r);  // uniform across the block
   double l = 0.0, lp = 0.0;
   if (st == kReplayed) {
     const T* row = z + r * s0;
     const A t = static_cast<A>(in.ts[r]);
-    l = warp_full_lse(row, s1, in.vocab, t);
+    l = block_full_lse(row, s1, in.vocab, t);
     lp = static_cast<double>(logit_at(row, s1, in.ys[r], t)) - l;
   }
-  if (lane_id() == 0) {
+  if (threadIdx.x == 0) {
     status[r] = static_cast<int8_t>(st);
     lse[r] = static_cast<A>(l);
     logp[r] = static_cast<A>(lp);
@@ -197,34 +257,46 @@ __global__ void full_fwd_kernel(const T* __restrict__ z, int64_t s0, int64_t s1,
 }
 
 template <class T, class A>
-__global__ void full_bwd_kernel(const A* __restrict__ g, const T* __restrict__ z, int64_t s0, int64_t s1,
-                                const RowInputs in, const A* __restrict__ lse, T* __restrict__ out,
-                                int8_t* __restrict__ err) {
-  const int64_t r = warp_item();
-  if (r >= in.n) return;
+__global__ void __launch_bounds__(kRowThreads)
+    full_bwd_kernel(const A* __restrict__ g, const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in,
+                    const A* __restrict__ lse, T* __restrict__ out, int8_t* __restrict__ err) {
+  const int64_t r = blockIdx.x;
   const int e = precheck_row(in, r);
-  if (lane_id() == 0) err[r] = static_cast<int8_t>(e);
+  if (threadIdx.x == 0) err[r] = static_cast<int8_t>(e);
   if (e != kReplayed) return;
   GradRow<T, A>(g, z, s0, in, lse, out, r).write_all(s1, in.vocab);
 }
 
+// The support's logsumexp by the first warp, then the full row's by the whole block.
 template <class T, class A>
-__global__ void kept_mass_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in,
-                                 A* __restrict__ kept, int8_t* __restrict__ status) {
-  const int64_t r = warp_item();
-  if (r >= in.n) return;
-  int st = precheck_row(in, r);
-  double k = 0.0;
-  if (st == kReplayed) {
-    const T* row = z + r * s0;
-    const A t = static_cast<A>(in.ts[r]);
-    A m, xy;
-    double s;
-    bool found;
-    st = warp_support_lse(row, s1, in.vocab, in.ids, in.off[r], in.off[r + 1], int64_t(-1), t, m, s, xy, found);
-    if (st == kReplayed) k = kept_fraction(lse_value(m, s), warp_full_lse(row, s1, in.vocab, t));
+__global__ void __launch_bounds__(kRowThreads)
+    kept_mass_kernel(const T* __restrict__ z, int64_t s0, int64_t s1, const RowInputs in, A* __restrict__ kept,
+                     int8_t* __restrict__ status) {
+  __shared__ int s_status;
+  __shared__ double s_lse_k;
+  const int64_t r = blockIdx.x;
+  const T* row = z + r * s0;
+  const A t = static_cast<A>(in.ts[r]);
+  if (threadIdx.x < kWarp) {
+    int st = precheck_row(in, r);
+    double lse_k = 0.0;
+    if (st == kReplayed) {
+      A m, xy;
+      double s;
+      bool found;
+      st = warp_support_lse(row, s1, in.vocab, in.ids, in.off[r], in.off[r + 1], int64_t(-1), t, m, s, xy, found);
+      lse_k = lse_value(m, s);
+    }
+    if (threadIdx.x == 0) {
+      s_status = st;
+      s_lse_k = lse_k;
+    }
   }
-  if (lane_id() == 0) {
+  __syncthreads();
+  const int st = s_status;
+  double k = 0.0;
+  if (st == kReplayed) k = kept_fraction(s_lse_k, block_full_lse(row, s1, in.vocab, t));
+  if (threadIdx.x == 0) {
     status[r] = static_cast<int8_t>(st);
     kept[r] = static_cast<A>(k);
   }
@@ -299,7 +371,7 @@ __global__ void hidden_bwd_rows_kernel(const A* __restrict__ g, const T* __restr
   const int64_t r = warp_item();
   if (r >= in.n) return;
   int bad = precheck_row(in, r);
-  if (bad == kReplayed) bad = warp_check_entries(in, r);
+  if (bad == kReplayed) bad = warp_check_entries(in.ids, in.off[r], in.off[r + 1], in.vocab);
   if (lane_id() == 0) err[r] = static_cast<int8_t>(bad);
   if (bad != kReplayed) return;  // coef and row_of stay zero there: in bounds for the weight kernel
   const int64_t lo = in.off[r], hi = in.off[r + 1];
@@ -326,34 +398,128 @@ __global__ void hidden_bwd_rows_kernel(const A* __restrict__ g, const T* __restr
   }
 }
 
-// One warp per position of the entries sorted by token; the warp at the head of a token's run
-// sums the whole run: grad_weight[j] = sum c_e h[row_e]. Every weight row is written by one warp in
-// a fixed order, so the result is deterministic and needs no atomics, and bf16 weights are
-// accumulated in float and rounded once.
+// The weight gradient, grad_weight[j] = sum over the entries e of token j of c_e h[row_e], over the
+// entries sorted by token (stable). The sorted entries are cut into fixed chunks of kWeightChunk,
+// and d into tiles of kWeightTile columns; block (chunk, tile) sums each token's piece of the chunk
+// in registers (kWeightCols columns per thread). A run that lies inside one chunk is written
+// directly; a run that crosses chunks (a token in many rows) leaves its pieces' partial sums, and
+// weight_combine_kernel adds them in chunk order. Every sum has a fixed order (entries in sorted
+// order within a piece, pieces in chunk order): deterministic, no atomics; bf16 weights are
+// accumulated in float and rounded once. One token in all N rows costs N / kWeightChunk blocks per
+// tile, not one warp walking N entries for every column.
+constexpr int kWeightChunk = 128;
+constexpr int kWeightThreads = 128;
+constexpr int kWeightCols = 4;
+constexpr int kWeightTile = kWeightThreads * kWeightCols;
+
+// Partial sums of crossing runs: slot 0 of a chunk holds its first piece when that piece's run
+// began in an earlier chunk, slot 1 its last piece when that piece's run began in this chunk and
+// goes on into the next. part is [chunks, 2, d], part_bias [chunks, 2].
 template <class T, class A>
-__global__ void hidden_bwd_weight_kernel(const int32_t* __restrict__ sids, const int64_t* __restrict__ order,
-                                         const A* __restrict__ coef, const int64_t* __restrict__ row_of,
-                                         const T* __restrict__ h, int64_t nnz, int64_t d, int64_t vocab,
-                                         T* __restrict__ gw, T* __restrict__ gb) {
-  const int64_t p = warp_item();
-  if (p >= nnz) return;
-  const int64_t j = sids[p];
-  if ((p > 0 && sids[p - 1] == j) || j < 0 || j >= vocab) return;
-  int64_t end = p + 1;
-  while (end < nnz && sids[end] == j) ++end;
-  for (int64_t k = lane_id(); k < d; k += kWarp) {
-    A acc = 0;
-    for (int64_t q = p; q < end; ++q) {
-      const int64_t e = order[q];
-      acc += coef[e] * static_cast<A>(h[row_of[e] * d + k]);
+__global__ void __launch_bounds__(kWeightThreads)
+    hidden_bwd_weight_kernel(const int32_t* __restrict__ sids, const int64_t* __restrict__ order,
+                             const A* __restrict__ coef, const int64_t* __restrict__ row_of, const T* __restrict__ h,
+                             int64_t nnz, int64_t d, int64_t vocab, T* __restrict__ gw, T* __restrict__ gb,
+                             A* __restrict__ part, double* __restrict__ part_bias) {
+  __shared__ int32_t s_id[kWeightChunk];
+  __shared__ A s_coef[kWeightChunk];
+  __shared__ int64_t s_row[kWeightChunk];
+  const int64_t chunk = blockIdx.x;
+  const int64_t p0 = chunk * kWeightChunk;
+  const int len = static_cast<int>(nnz - p0 < kWeightChunk ? nnz - p0 : kWeightChunk);
+  for (int i = threadIdx.x; i < len; i += kWeightThreads) {  // one gather per entry, not per column
+    const int64_t e = order[p0 + i];
+    s_id[i] = sids[p0 + i];
+    s_coef[i] = coef[e];
+    s_row[i] = row_of[e];
+  }
+  __syncthreads();
+  const bool continues = p0 > 0 && sids[p0 - 1] == s_id[0];                // the first piece's run began before
+  const bool goes_on = p0 + len < nnz && sids[p0 + len] == s_id[len - 1];  // the last piece's run goes on
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kWeightTile + threadIdx.x;
+  const bool bias_here = blockIdx.y == 0 && threadIdx.x == 0;
+  int a = 0;
+  while (a < len) {  // the same pieces in every thread
+    const int32_t j = s_id[a];
+    int b = a + 1;
+    while (b < len && s_id[b] == j) ++b;
+    A acc[kWeightCols];
+#pragma unroll
+    for (int u = 0; u < kWeightCols; ++u) acc[u] = A(0);
+    double bias_sum = 0.0;
+#pragma unroll 2
+    for (int i = a; i < b; ++i) {
+      const A c = s_coef[i];
+      const T* hr = h + s_row[i] * d;
+#pragma unroll
+      for (int u = 0; u < kWeightCols; ++u) {
+        const int64_t k = col0 + u * kWeightThreads;
+        if (k < d) acc[u] += c * static_cast<A>(hr[k]);
+      }
+      if (bias_here) bias_sum += static_cast<double>(c);
     }
-    gw[j * d + k] = static_cast<T>(acc);
+    const bool first = a == 0 && continues, last = b == len && goes_on;
+    if (j >= 0 && j < vocab) {  // entries of rows that failed their checks: raised on the host
+      if (!first && !last) {
+#pragma unroll
+        for (int u = 0; u < kWeightCols; ++u) {
+          const int64_t k = col0 + u * kWeightThreads;
+          if (k < d) gw[j * d + k] = static_cast<T>(acc[u]);
+        }
+        if (gb && bias_here) gb[j] = static_cast<T>(bias_sum);
+      } else {
+        const int64_t slot = chunk * 2 + (first ? 0 : 1);
+#pragma unroll
+        for (int u = 0; u < kWeightCols; ++u) {
+          const int64_t k = col0 + u * kWeightThreads;
+          if (k < d) part[slot * d + k] = acc[u];
+        }
+        if (bias_here) part_bias[slot] = bias_sum;
+      }
+    }
+    a = b;
   }
-  if (gb && lane_id() == 0) {
-    double bs = 0.0;
-    for (int64_t q = p; q < end; ++q) bs += static_cast<double>(coef[order[q]]);
-    gb[j] = static_cast<T>(bs);
+}
+
+// Block (chunk, tile) finishes the run that begins in `chunk` and goes on past it, if there is
+// one: its slot 1, then slot 0 of each following chunk until the run ends, in that order.
+template <class T, class A>
+__global__ void __launch_bounds__(kWeightThreads)
+    weight_combine_kernel(const int32_t* __restrict__ sids, int64_t nnz, int64_t d, int64_t vocab,
+                          const A* __restrict__ part, const double* __restrict__ part_bias, T* __restrict__ gw,
+                          T* __restrict__ gb) {
+  const int64_t chunk = blockIdx.x;
+  const int64_t p0 = chunk * kWeightChunk;
+  const int64_t end = p0 + kWeightChunk < nnz ? p0 + kWeightChunk : nnz;
+  const int32_t j = sids[end - 1];
+  if (end >= nnz || sids[end] != j) return;  // the last run ends in this chunk
+  if (p0 > 0 && sids[p0 - 1] == j) return;   // it began in an earlier chunk, whose block owns it
+  if (j < 0 || j >= vocab) return;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kWeightTile + threadIdx.x;
+  const bool bias_here = gb && blockIdx.y == 0 && threadIdx.x == 0;
+  A acc[kWeightCols];
+#pragma unroll
+  for (int u = 0; u < kWeightCols; ++u) {
+    const int64_t k = col0 + u * kWeightThreads;
+    acc[u] = k < d ? part[(chunk * 2 + 1) * d + k] : A(0);
   }
+  double bias_sum = bias_here ? part_bias[chunk * 2 + 1] : 0.0;
+  for (int64_t c = chunk + 1;; ++c) {
+#pragma unroll
+    for (int u = 0; u < kWeightCols; ++u) {
+      const int64_t k = col0 + u * kWeightThreads;
+      if (k < d) acc[u] += part[(c * 2) * d + k];
+    }
+    if (bias_here) bias_sum += part_bias[c * 2];
+    const int64_t c_end = (c + 1) * kWeightChunk;
+    if (c_end >= nnz || sids[c_end] != j) break;
+  }
+#pragma unroll
+  for (int u = 0; u < kWeightCols; ++u) {
+    const int64_t k = col0 + u * kWeightThreads;
+    if (k < d) gw[j * d + k] = static_cast<T>(acc[u]);
+  }
+  if (bias_here) gb[j] = static_cast<T>(bias_sum);
 }
 
 // ---- host wrappers -----------------------------------------------------------------------------
@@ -373,6 +539,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_fwd_cuda(const at::Tensor&
           logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(), fallback,
           f.logp.data_ptr<A>(), f.lse.data_ptr<A>(), f.status.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (fallback && a.vocab > 0) {  // only then can a row have fallen back
+        fallback_fwd_kernel<scalar_t, A><<<row_blocks(a.n), kRowThreads, 0, stream()>>>(
+            logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(), f.logp.data_ptr<A>(),
+            f.lse.data_ptr<A>(), f.status.data_ptr<int8_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     });
   }
   return finish_forward("replay", f, a);
@@ -392,8 +564,11 @@ at::Tensor replay_bwd_cuda(const at::Tensor& grad, const at::Tensor& logits, con
       using A = at::opmath_type<scalar_t>;
       replay_bwd_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
           sv.g.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(),
-          sv.ls.const_data_ptr<A>(), sv.st.const_data_ptr<int8_t>(), out.data_ptr<scalar_t>(),
-          err.data_ptr<int8_t>());
+          sv.ls.const_data_ptr<A>(), sv.st.const_data_ptr<int8_t>(), out.data_ptr<scalar_t>(), err.data_ptr<int8_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      fallback_bwd_kernel<scalar_t, A><<<row_blocks(a.n), kRowThreads, 0, stream()>>>(
+          sv.g.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(),
+          sv.ls.const_data_ptr<A>(), sv.st.const_data_ptr<int8_t>(), err.data_ptr<int8_t>(), out.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -409,7 +584,7 @@ std::tuple<at::Tensor, at::Tensor> full_fwd_cuda(const at::Tensor& logits, const
   if (a.n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "full_fwd_cuda", [&] {
       using A = at::opmath_type<scalar_t>;
-      full_fwd_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
+      full_fwd_kernel<scalar_t, A><<<row_blocks(a.n), kRowThreads, 0, stream()>>>(
           logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(), f.logp.data_ptr<A>(),
           f.lse.data_ptr<A>(), f.status.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -430,7 +605,7 @@ at::Tensor full_bwd_cuda(const at::Tensor& grad, const at::Tensor& logits, const
   if (a.n > 0 && a.vocab > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "full_bwd_cuda", [&] {
       using A = at::opmath_type<scalar_t>;
-      full_bwd_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
+      full_bwd_kernel<scalar_t, A><<<row_blocks(a.n), kRowThreads, 0, stream()>>>(
           sv.g.const_data_ptr<A>(), logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(),
           sv.ls.const_data_ptr<A>(), out.data_ptr<scalar_t>(), err.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -449,7 +624,7 @@ at::Tensor kept_mass_cuda(const at::Tensor& logits, const at::Tensor& token_ids,
   if (a.n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "kept_mass_cuda", [&] {
       using A = at::opmath_type<scalar_t>;
-      kept_mass_kernel<scalar_t, A><<<blocks_for(a.n), kThreads, 0, stream()>>>(
+      kept_mass_kernel<scalar_t, A><<<row_blocks(a.n), kRowThreads, 0, stream()>>>(
           logits.const_data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), a.view(), kept.data_ptr<A>(),
           status.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -480,16 +655,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cuda(const at::Tensor&
   return finish_hidden_fwd(hd, f, fallback);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cuda(
-    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
-    const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& sampled, const at::Tensor& temperature,
-    const at::Tensor& lse, const at::Tensor& status) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cuda(const at::Tensor& grad, const at::Tensor& hidden,
+                                                               const at::Tensor& weight, const at::Tensor& bias,
+                                                               const at::Tensor& token_ids, const at::Tensor& offsets,
+                                                               const at::Tensor& sampled, const at::Tensor& temperature,
+                                                               const at::Tensor& lse, const at::Tensor& status) {
   const c10::cuda::CUDAGuard guard(hidden.device());
   const char* op = "replay_from_hidden_bwd";
   const HeadOperands hd = head_operands(op, hidden, weight, bias, token_ids, offsets, sampled, temperature);
   const int64_t n = hd.rows.n, d = hd.d, vocab = hd.rows.vocab, nnz = hd.rows.nnz;
-  const SavedOperands sv = saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()),
-                                          hidden.device());
+  const SavedOperands sv =
+      saved_operands(op, grad, lse, status, n, replay_out_dtype(hidden.scalar_type()), hidden.device());
   at::Tensor gh = at::empty({n, d}, hd.h.options());
   at::Tensor gw = at::zeros({vocab, d}, hd.w.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor gb = hd.bias ? at::zeros({vocab}, hd.b.options()) : at::empty({0}, hd.h.options());
@@ -507,13 +683,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cuda(
           err.data_ptr<int8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (n > 0 && nnz > 0 && d > 0) {
+    if (n > 0 && nnz > 0) {
       auto sorted = at::sort(hd.rows.ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
       const at::Tensor sids = std::get<0>(sorted).contiguous(), order = std::get<1>(sorted).contiguous();
-      hidden_bwd_weight_kernel<scalar_t, A><<<blocks_for(nnz), kThreads, 0, stream()>>>(
+      // d = 0 still takes one tile: the bias gradient is summed there.
+      const int64_t chunks = (nnz + kWeightChunk - 1) / kWeightChunk,
+                    tiles = d > 0 ? (d + kWeightTile - 1) / kWeightTile : 1;
+      TORCH_CHECK(chunks <= std::numeric_limits<int32_t>::max() && tiles <= 65535, op, ": too many entries (", nnz,
+                  ") or columns (", d, ")");
+      const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(tiles));
+      const at::Tensor part = at::empty({chunks * 2, d}, coef.options());
+      const at::Tensor part_bias = at::empty({chunks * 2}, coef.options().dtype(at::kDouble));
+      scalar_t* const gbp = hd.bias ? gb.data_ptr<scalar_t>() : nullptr;
+      hidden_bwd_weight_kernel<scalar_t, A><<<grid, kWeightThreads, 0, stream()>>>(
           sids.const_data_ptr<int32_t>(), order.const_data_ptr<int64_t>(), coef.const_data_ptr<A>(),
           row_of.const_data_ptr<int64_t>(), hd.h.const_data_ptr<scalar_t>(), nnz, d, vocab, gw.data_ptr<scalar_t>(),
-          hd.bias ? gb.data_ptr<scalar_t>() : nullptr);
+          gbp, part.data_ptr<A>(), part_bias.data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      weight_combine_kernel<scalar_t, A><<<grid, kWeightThreads, 0, stream()>>>(
+          sids.const_data_ptr<int32_t>(), nnz, d, vocab, part.const_data_ptr<A>(), part_bias.const_data_ptr<double>(),
+          gw.data_ptr<scalar_t>(), gbp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });

@@ -278,25 +278,30 @@ def test_weight_gradient_is_deterministic(device):
 
 
 # ---- validation ----------------------------------------------------------------------------------
-def test_bad_temperature_names_the_row():
-    z = torch.randn(3, 5)
-    mask = mr.SamplingMask.from_lists([[0], [1], [2]])
-    y = torch.tensor([0, 1, 2])
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_temperature_names_the_row(device):
+    z = torch.randn(3, 5, device=device)
+    mask = mr.SamplingMask.from_lists([[0], [1], [2]]).to(device)
+    y = torch.tensor([0, 1, 2], device=device)
     with pytest.raises(RuntimeError, match="temperature must be finite and > 0, row 2 has -1"):
-        mr.replay_logprobs(z, mask, y, torch.tensor([1.0, 2.0, -1.0]))
+        mr.replay_logprobs(z, mask, y, torch.tensor([1.0, 2.0, -1.0], device=device))
     with pytest.raises(RuntimeError, match="row 0 has nan"):
-        mr.replay_logprobs(z, mask, y, torch.tensor([float("nan"), 1.0, 1.0]))
+        mr.replay_logprobs(z, mask, y, torch.tensor([float("nan"), 1.0, 1.0], device=device))
     with pytest.raises(RuntimeError, match="row 1 has inf"):
-        mr.full_logprobs(z, y, torch.tensor([1.0, float("inf"), 1.0]))
+        mr.full_logprobs(z, y, torch.tensor([1.0, float("inf"), 1.0], device=device))
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
         mr.replay_logprobs(z, mask, y, 0.0)
 
 
-def test_bad_arguments_name_the_argument():
-    z = torch.randn(3, 5)
-    mask = mr.SamplingMask.from_lists([[0], [1], [2]])
-    y = torch.tensor([0, 1, 2])
-    t = torch.ones(3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_name_the_argument(device):
+    def dev(*args, **kwargs):
+        return torch.tensor(*args, **kwargs, device=device)
+
+    z = torch.randn(3, 5, device=device)
+    mask = mr.SamplingMask.from_lists([[0], [1], [2]]).to(device)
+    y = dev([0, 1, 2])
+    t = torch.ones(3, device=device)
     with pytest.raises(RuntimeError, match="the mask has 2 rows"):
         mr.replay_logprobs(z, mask.select_rows(0, 2), y)
     with pytest.raises(RuntimeError, match="token_ids must be a 1-D int32"):
@@ -308,22 +313,23 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(RuntimeError, match="logits must be float32, bfloat16, float16 or float64"):
         ops.replay_fwd(z.int(), mask.token_ids, mask.offsets, y, t, False)
     with pytest.raises(RuntimeError, match="sampled token 5 of row 1 is out of range"):
-        mr.replay_logprobs(z, mask, torch.tensor([0, 5, 2]), fallback=True)
-    bad_ids = mr.SamplingMask(torch.tensor([0, 7, 2], dtype=torch.int32), mask.offsets)
+        mr.replay_logprobs(z, mask, dev([0, 5, 2]), fallback=True)
+    bad_ids = mr.SamplingMask(dev([0, 7, 2], dtype=torch.int32), mask.offsets)
     with pytest.raises(RuntimeError, match="token_ids of row 1 hold an id outside"):
         mr.replay_logprobs(z, bad_ids, y)
-    unsorted = mr.SamplingMask(torch.tensor([0, 3, 1, 2], dtype=torch.int32), torch.tensor([0, 1, 3, 4]))
+    unsorted = mr.SamplingMask(dev([0, 3, 1, 2], dtype=torch.int32), dev([0, 1, 3, 4]))
     with pytest.raises(RuntimeError, match="token_ids of row 1 are not strictly ascending"):
-        mr.replay_logprobs(z, unsorted, torch.tensor([0, 1, 2]))
-    bad_off = mr.SamplingMask(mask.token_ids, torch.tensor([0, 2, 1, 3]))
+        mr.replay_logprobs(z, unsorted, dev([0, 1, 2]))
+    bad_off = mr.SamplingMask(mask.token_ids, dev([0, 2, 1, 3]))
     with pytest.raises(RuntimeError, match="offsets are invalid at row 1"):
         mr.kept_mass(z, bad_off)
     with pytest.raises(RuntimeError, match="weight has d = 4 but hidden has d = 3"):
-        mr.replay_logprobs_from_hidden(torch.randn(3, 3), torch.randn(5, 4), mask, y)
+        mr.replay_logprobs_from_hidden(torch.randn(3, 3, device=device), torch.randn(5, 4, device=device), mask, y)
     with pytest.raises(RuntimeError, match="bias must have shape"):
-        mr.replay_logprobs_from_hidden(torch.randn(3, 4), torch.randn(5, 4), mask, y, bias=torch.randn(4))
+        mr.replay_logprobs_from_hidden(torch.randn(3, 4, device=device), torch.randn(5, 4, device=device), mask, y,
+                                       bias=torch.randn(4, device=device))
     with pytest.raises(ValueError, match="sampled must be a tensor of shape"):
-        mr.replay_logprobs(z, mask, torch.tensor([0, 1]))
+        mr.replay_logprobs(z, mask, dev([0, 1]))
 
 
 def test_capture_call_signature():

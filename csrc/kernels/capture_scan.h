@@ -5,7 +5,7 @@
 #pragma once
 #include <cstdint>
 
-#include "kernel_math.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 

@@ -2,7 +2,7 @@
 // 256-bin digit histogram. They only choose a bucket; every value they compare comes from
 // kernel_math.h, so the threshold they converge to is the one the semantics define.
 #pragma once
-#include "kernel_math.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 
@@ -25,8 +25,8 @@ MR_HD int select_topk_digit(const unsigned int* count, int64_t& need) {
 // bucket whose largest key is kept, and that key has exactly the mass of the higher buckets above
 // it. `mass_above` enters as the mass above the whole histogrammed bucket and leaves as the mass
 // above the chosen one. Returns -1 if no bucket qualifies (impossible while total > 0).
-MR_HD int select_topp_digit(const unsigned int* count, const unsigned long long* mass,
-                            int64_t& mass_above, double p, int64_t total) {
+MR_HD int select_topp_digit(const unsigned int* count, const unsigned long long* mass, int64_t& mass_above, double p,
+                            int64_t total) {
   int chosen = -1;
   int64_t above = mass_above, chosen_above = 0;
   for (int d = kRadixBins - 1; d >= 0; --d) {

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernel_math.h"
+#include "kernels/kernel_math.h"
 
 namespace mask_replay {
 
@@ -136,6 +136,28 @@ MR_HD int8_t check_entries(const int32_t* ids, int64_t lo, int64_t hi, int64_t v
     prev = ids[e];
   }
   return kReplayed;
+}
+
+// Entries checked in parallel must report what check_entries reports: the error of the first
+// failing entry, not the smallest code (ids [3, 200000, 5] at V = 151936 fail with "outside
+// [0, V)" at entry 1 and "not ascending" at entry 2). A failure is packed as (entry << 8) | -code,
+// so the minimum over any split of the entries is the first entry's failure.
+constexpr int64_t kNoEntryError = INT64_MAX;
+MR_HD int64_t pack_entry_error(int64_t entry, int8_t code) {
+  return code == kReplayed ? kNoEntryError : (entry << 8) | static_cast<int64_t>(-code);
+}
+MR_HD int8_t entry_error_code(int64_t packed) {
+  return packed == kNoEntryError ? static_cast<int8_t>(kReplayed) : static_cast<int8_t>(-(packed & 0xff));
+}
+// One of `lanes` checkers of the row's entries [lo, hi): lane l takes entries lo + l, lo + l +
+// lanes, ... (each against its predecessor) and returns its first failure, packed. The minimum
+// over all lanes, decoded by entry_error_code, equals check_entries.
+MR_HD int64_t lane_entry_errors(const int32_t* ids, int64_t lo, int64_t hi, int64_t vocab, int lane, int lanes) {
+  for (int64_t e = lo + lane; e < hi; e += lanes) {
+    const int8_t st = check_entry(ids[e], e > lo ? static_cast<int64_t>(ids[e - 1]) : -1, vocab);
+    if (st != kReplayed) return pack_entry_error(e, st);
+  }
+  return kNoEntryError;
 }
 
 // Logsumexp over a row's support ids[lo, hi), each entry checked before logit(id) reads it (x =

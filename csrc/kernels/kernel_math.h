@@ -1,6 +1,7 @@
 // Math shared by the CPU and CUDA kernels. Everything that decides which tokens enter a support
-// lives here, written with explicitly rounded operations, so both devices take the same decision
-// bit for bit (the host build uses -ffp-contract=off, the device build --fmad=false).
+// lives here (and the min-p log in det_log.h), written with explicitly rounded operations, so both
+// devices take the same decision bit for bit (the host build uses -ffp-contract=off, the device
+// build --fmad=false).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -78,9 +79,7 @@ MR_HD uint32_t order_key(float f) {
   uint32_t u = float_bits(mr_add(f, 0.0f));
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
-MR_HD float key_value(uint32_t k) {
-  return bits_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
+MR_HD float key_value(uint32_t k) { return bits_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
 
 // exp(d) for d <= 0 with Cody-Waite reduction and a degree-7 polynomial, built only from
 // correctly rounded adds, multiplies and fused multiply-adds so host and device agree exactly.
@@ -88,12 +87,12 @@ MR_HD float key_value(uint32_t k) {
 MR_HD float det_exp(float d) {
   if (!(d > -87.0f)) return 0.0f;  // also -inf; results below 2^-125 do not matter to any mass
   const float kLog2e = 1.44269504088896341f;
-  const float kLn2Hi = 0.693145751953125f;       // 12 significant bits: n * kLn2Hi is exact
+  const float kLn2Hi = 0.693145751953125f;  // 12 significant bits: n * kLn2Hi is exact
   const float kLn2Lo = 1.42860682030941723212e-6f;
-  const float kRound = 12582912.0f;              // 1.5 * 2^23: adding it rounds to an integer
+  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float n = mr_add(mr_add(mr_mul(d, kLog2e), kRound), -kRound);
   const float r = mr_fma(-n, kLn2Lo, mr_fma(-n, kLn2Hi, d));
-  float p = 1.98412698412698413e-4f;             // 1/5040
+  float p = 1.98412698412698413e-4f;  // 1/5040
   p = mr_fma(p, r, 1.38888888888888889e-3f);
   p = mr_fma(p, r, 8.33333333333333333e-3f);
   p = mr_fma(p, r, 4.16666666666666667e-2f);
@@ -101,7 +100,7 @@ MR_HD float det_exp(float d) {
   p = mr_fma(p, r, 0.5f);
   p = mr_fma(p, r, 1.0f);
   p = mr_fma(p, r, 1.0f);
-  const int ni = static_cast<int>(n);            // in [-126, 0]
+  const int ni = static_cast<int>(n);  // in [-126, 0]
   return mr_mul(p, bits_float(static_cast<uint32_t>(ni + 127) << 23));
 }
 
