@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import mask_replay as mr
 from mask_replay.trainer.layouts import IGNORED, _rows_of
+from mask_replay.trainer.replay import FELL_BACK_OUTSIDE
 from tests.helpers import DEVICES, replay_ref
 
 
@@ -182,7 +183,7 @@ def test_errors_name_mask_row_and_position():
     with pytest.raises(RuntimeError, match=re.escape("mask row 5 (batch 1, position 3)")):
         mr.replay_logprobs(torch.randn(b, t, v), mask, labels)
     lp, status = mr.replay_logprobs(torch.randn(b, t, v), mask, labels, fallback=True, return_status=True)
-    assert status.tolist() == [[IGNORED, 0, 0, 0], [0, 0, IGNORED, mr.trainer.replay.FELL_BACK_OUTSIDE]]
+    assert status.tolist() == [[IGNORED, 0, 0, 0], [0, 0, IGNORED, FELL_BACK_OUTSIDE]]
     bad = labels.clone()
     bad[0, 1] = 9  # out of the vocabulary
     with pytest.raises(RuntimeError, match=re.escape("mask row 0 (batch 0, position 1)")):

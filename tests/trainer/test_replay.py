@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import mask_replay as mr
 from mask_replay._ops import ops
+from mask_replay.trainer.replay import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE, REPLAYED
 from tests.helpers import DEVICES, full_ref, grads, hidden_ref, kept_mass_ref, replay_ref
 
 LOW = [torch.float32, torch.bfloat16, torch.float16]
@@ -190,7 +191,7 @@ def test_outside_support_errors_then_falls_back(device):
     with pytest.raises(RuntimeError, match=re.escape("replay: sampled token 6 is outside the support of row 1")):
         mr.replay_logprobs(z, mask, y)
     lp, status = mr.replay_logprobs(z, mask, y, fallback=True, return_status=True)
-    assert status.tolist() == [mr.trainer.replay.REPLAYED, mr.trainer.replay.FELL_BACK_OUTSIDE, mr.trainer.replay.REPLAYED]
+    assert status.tolist() == [REPLAYED, FELL_BACK_OUTSIDE, REPLAYED]
     torch.testing.assert_close(lp[1], torch.log_softmax(z[1], 0)[6])
     torch.testing.assert_close(lp, replay_ref(z, dense(mask, 8), y, fallback=True))
     zz = z.clone().requires_grad_(True)
@@ -206,7 +207,7 @@ def test_empty_row_errors_then_falls_back(device):
     with pytest.raises(RuntimeError, match="replay: row 1 has an empty support"):
         mr.replay_logprobs(z, mask, y)
     lp, status = mr.replay_logprobs(z, mask, y, fallback=True, return_status=True)
-    assert status.tolist() == [0, mr.trainer.replay.FELL_BACK_EMPTY, 0]
+    assert status.tolist() == [0, FELL_BACK_EMPTY, 0]
     torch.testing.assert_close(lp[1], torch.log_softmax(z[1], 0)[3])
     assert float(mr.kept_mass(z, mask)[1]) == 0.0
 
@@ -218,7 +219,7 @@ def test_hidden_fallback_status(device):
     w = torch.randn(20, 6, dtype=torch.float64, device=device)
     lp, status = mr.replay_logprobs_from_hidden(h, w, mask, y, t, fallback=True, return_status=True)
     empty = (mask.lengths() == 0).to(device)
-    assert empty.any() and torch.equal(status == mr.trainer.replay.FELL_BACK_EMPTY, empty)
+    assert empty.any() and torch.equal(status == FELL_BACK_EMPTY, empty)
     torch.testing.assert_close(lp, hidden_ref(h, w, None, dense(mask, 20), y, t, fallback=True))
 
 
