@@ -54,29 +54,38 @@ def experiment(out, steps, prompts_per_step, group_size, max_new_tokens, mu, lr,
         raise CliError(str(exc)) from exc
     except ValueError as exc:  # a configuration the model cannot take (e.g. --train-layers)
         raise CliError(str(exc)) from exc
-    console().print(summary_table(result))
+    for table in summary_tables(result):
+        console().print(table)
     console().print(f"wrote {', '.join(result['files'])} in {result['timings']['total']:.0f} s")
 
 
-def summary_table(result: dict):
-    """One row per run: the four metrics of the run's own log-probs (range over steps), kept mass,
-    clip fraction, reward first -> last."""
+def summary_tables(result: dict) -> list:
+    """Two tables that fit 80 columns: per run, the per-step range (min..max) of the four metrics of the
+    run's own log-probs; then kept mass, clip fraction, support size and reward first -> last."""
     from rich.table import Table
 
-    table = Table(title="per-step range (min..max) of each run's own ratio r = exp(train - rollout); "
-                        "reward first -> last", title_justify="left")
-    for col in ("run", "r mean", "logp diff", "std", "k3", "kept", "clip", "reward train", "held-out"):
-        table.add_column(col, justify="right", no_wrap=True)
+    metrics = Table(title="per-step range of each run's own r = exp(train - rollout), all mu passes",
+                    title_justify="left")
+    for col in ("run", "mean ratio", "mean logp diff", "logp diff std", "approx. KL k3"):
+        metrics.add_column(col, justify="right", no_wrap=True)
+    other = Table(title="per-step range; reward first -> last (held-out: before step 0, after the last)",
+                  title_justify="left")
+    for col in ("run", "kept mass", "clip frac", "|K|", "reward train", "held-out"):
+        other.add_column(col, justify="right", no_wrap=True)
     for name, s in result["runs"].items():
-        own = s[name]
-        span = lambda d, f: f"{d['min']:{f}}..{d['max']:{f}}"  # noqa: E731
+        own, label = s[name], name.replace("_", " ")
+        metrics.add_row(label, _span(own["importance_ratio_mean"], ".3f"), _span(own["logp_diff_mean"], ".3f"),
+                        _span(own["logp_diff_std"], ".3f"), _span(own["kl_k3"], ".1e"))
         held = s["reward_held_out"]
-        table.add_row(name.replace("_", " "), span(own["importance_ratio_mean"], ".3f"),
-                      span(own["logp_diff_mean"], ".3f"), span(own["logp_diff_std"], ".3f"),
-                      span(own["kl_k3"], ".1e"), span(s["kept_mass_mean"], ".3f"), span(s["clip_fraction"], ".2f"),
+        other.add_row(label, _span(s["kept_mass_mean"], ".3f"), _span(s["clip_fraction"], ".2f"),
+                      _span(s["support_mean"], ".0f"),
                       f"{s['reward_train']['first']:.2f} -> {s['reward_train']['last']:.2f}",
                       f"{_num(held['first'])} -> {_num(held['last'])}")
-    return table
+    return [metrics, other]
+
+
+def _span(d: dict, f: str) -> str:
+    return f"{d['min']:{f}}..{d['max']:{f}}"
 
 
 def _num(x) -> str:

