@@ -68,7 +68,8 @@ class ExperimentConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
+            raise ValueError(f"group_size must be >= 2 (advantages are normalised within a group), "
+                             f"got {self.group_size}")
         if not (self.lr >= 0 and np.isfinite(self.lr)):
             raise ValueError(f"lr must be a finite number >= 0, got {self.lr!r}")
         if not (0 < self.clip_eps < 1):
@@ -237,7 +238,8 @@ def train_run(name: str, model, tokenizer, prompts: dict, cfg: ExperimentConfig,
     """One GRPO run from `model`'s weights (not modified: the run trains a copy)."""
     replay = name == "replay"
     torch.manual_seed(cfg.seed)
-    trainer = copy.deepcopy(model).to(torch.float32).train()  # fp32 master weights (.float() is refused for GGUF models)
+    # fp32 master weights (.to, not .float(): transformers refuses .float() on a model read from GGUF)
+    trainer = copy.deepcopy(model).to(torch.float32).train()
     engine = copy.deepcopy(model).to(DTYPES[cfg.engine_dtype]).eval()
     params = _trainable(trainer, cfg.train_layers)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -362,7 +364,8 @@ def run_experiment(out_dir, cfg: ExperimentConfig, model=None, tokenizer=None, p
     write_text(tpath, json.dumps(timings, indent=2) + "\n")
     title = (f"{model_name} GRPO, T={cfg.temperature} top_p={cfg.top_p} top_k={cfg.top_k} min_p={cfg.min_p}; "
              f"engine {cfg.engine_dtype}, trainer {cfg.trainer_dtype}")
-    metrics_png, reward_png = os.path.join(out_dir, "experiment_metrics.png"), os.path.join(out_dir, "experiment_reward.png")
+    metrics_png = os.path.join(out_dir, "experiment_metrics.png")
+    reward_png = os.path.join(out_dir, "experiment_reward.png")
     plot_metrics(runs, metrics_png, title)
     plot_reward(runs, reward_png, title)
     results.update(files=files + [path, tpath, metrics_png, reward_png], timings=timings, run_results=runs)
