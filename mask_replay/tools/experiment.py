@@ -266,7 +266,8 @@ def train_run(name: str, model, tokenizer, prompts: dict, cfg: ExperimentConfig,
         t0 = time.perf_counter()
         pick = np.random.default_rng([cfg.seed, step]).choice(len(train), cfg.prompts_per_step, replace=False)
         problems = [train[i] for i in pick for _ in range(cfg.group_size)]
-        enc, sequences, mask, _, rewards = _rollout(engine, tokenizer, problems, cfg, _seed(cfg.seed, step, "rollout"))
+        enc, sequences, mask, texts, rewards = _rollout(engine, tokenizer, problems, cfg,
+                                                        _seed(cfg.seed, step, "rollout"))
         times["generate"] = time.perf_counter() - t0
         phase.update()
         phase.set_postfix_str("update")
@@ -279,6 +280,7 @@ def train_run(name: str, model, tokenizer, prompts: dict, cfg: ExperimentConfig,
         phase.set_postfix_str("score")
         t0 = time.perf_counter()
         line, arrays = _step_record(step, mask, rewards, passes, eval_reward if "eval" in times else None, cfg)
+        line["answers"] = texts[::cfg.group_size]  # the first answer of each group: what the policy says
         times["score"] = time.perf_counter() - t0
         phase.update()
         result.steps.append(line)

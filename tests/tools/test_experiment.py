@@ -95,7 +95,7 @@ def test_updates_move_the_ratio_and_files_are_written_reproducibly(tmp_path):
     lines = [json.loads(x) for x in (outs[0] / "replay.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [0, 1]
     assert set(lines[0]) >= {"replay", "no_replay", "kept_mass_mean", "clip_fraction", "support_mean",
-                             "reward_train", "reward_held_out", "first_pass"}
+                             "reward_train", "reward_held_out", "first_pass", "answers"}
     assert lines[-1]["reward_held_out_after"] is not None
     timings = json.loads((outs[0] / "timings.json").read_text())
     assert set(timings["replay"]["per_step"][0]) >= {"generate", "update", "score", "eval"}
