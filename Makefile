@@ -1,6 +1,7 @@
 # make demo   set up .venv, build, run the replay demo on an embedded synthetic RL run
 # make test   set up .venv, build (CUDA kernels too when a GPU and a toolkit are present), run the tests
 # make example  the real-model example (SmolLM2-135M from a PyPI wheel, sampled on the CPU)
+# make experiment  GRPO training of SmolLM2-135M on the CPU, replay off and on (docs/experiment.md)
 # make lint   ruff over the Python, clang-format --dry-run over csrc/ (both pinned: requirements-lint.txt)
 # make asan   AddressSanitizer copy of the CPU extension in build-asan/ (the in-place build is not
 #             touched) and the hostile-input fuzz loop over every op under it (ASAN_SECONDS, 60)
@@ -17,7 +18,7 @@ ifeq ($(FORCE_CUDA),1)
 export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
-.PHONY: venv build test test-fast lint demo example bench clean asan
+.PHONY: venv build test test-fast lint demo example experiment bench clean asan
 
 $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +69,10 @@ demo: build
 example:
 	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
 	$(VENV)/bin/mask-replay example --out example_out
+
+experiment:
+	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
+	$(VENV)/bin/mask-replay experiment --out experiment_out
 
 # Python is not built with ASAN, so the runtime is preloaded, with libstdc++ (else ASAN cannot find
 # the real __cxa_throw and aborts on the first C++ exception); Python's own allocations are never

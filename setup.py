@@ -110,6 +110,7 @@ setup(
     # top-level module named `cli`, which would clash with anything else called so).
     packages=find_packages(include=["mask_replay", "mask_replay.*"]) + ["mask_replay.cli"],
     package_dir={"mask_replay.cli": "cli"},
+    package_data={"mask_replay.tools": ["data/*.json"]},  # the experiment's prompt set
     ext_modules=[] if _flag("MASK_REPLAY_SKIP_EXT") else extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",

@@ -12,7 +12,7 @@ from mask_replay.cli.common import CONTEXT, CliError, Group
 from mask_replay.version import __version__
 
 # command name -> module of cli/ defining a click command of the same name
-COMMANDS = ("capture", "score", "inspect", "convert", "demo", "example", "selftest", "info")
+COMMANDS = ("capture", "score", "inspect", "convert", "demo", "example", "experiment", "selftest", "info")
 
 
 class LazyGroup(Group):
