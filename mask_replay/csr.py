@@ -190,3 +190,20 @@ def log_probs_over_support(x: torch.Tensor, rows: torch.Tensor, n: int):
     return logq, q, entry_alive, alive
 
 
+
+
+def support_log_softmax(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """x_e - logsumexp_{j in row(e)} x_j for every entry ([nnz], x's dtype), with the reduction in
+    float64 and the result rounded once: the one definition of a support's per-entry log-probs
+    (capture's entry_logprobs, the trainer's replay_support_logprobs). An entry whose x is -inf
+    gets -inf (probability 0, gradient 0), also in a row that has nothing finite; NaN stays NaN.
+    Differentiable: d out_e / d x_j = 1[e = j] - q_j within a row, 0 across rows."""
+    x64 = x.double()
+    return minus_row_lse(x64, segment_logsumexp(x64, rows, n), rows).to(x.dtype)
+
+
+def minus_row_lse(x: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x_e - lse[row e], -inf where x_e is -inf (no inf - inf, and a zero gradient there)."""
+    dead = x == float("-inf")
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[rows]
+    return torch.where(dead, torch.full_like(x, float("-inf")), x - torch.where(dead, safe, lse[rows]))
