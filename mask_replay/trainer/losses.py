@@ -117,21 +117,8 @@ def score_centered_pg(
         raise ValueError(f"{op}: sampled token {int(sampled[r])} is not in the support of row {r} "
                          f"({int(offsets[r + 1] - offsets[r])} tokens): no ratio p_y / q_y there")
 
-    with torch.no_grad():
-        # r_v = p_v / q_v in log space; q_v = 0 (lq = -inf) gives a 0 coefficient, not 0 * inf
-        log_ratio = lp.detach() - lq
-        w = torch.clamp(torch.exp(torch.where(torch.isfinite(lq), log_ratio, torch.zeros_like(lq))), max=cap)
-        q = torch.exp(lq)
-        coef = torch.where(q > 0, q * w, torch.zeros_like(q))
-        w_y = segment_sum(torch.where(is_y, w, torch.zeros_like(w)), rows, n)
-        truncated = segment_sum((is_y & (log_ratio > torch.log(torch.tensor(float(cap), dtype=dtype)))).to(dtype),
-                                rows, n)
-    # entries with lp = -inf (trainer probability 0) have coef 0 and no gradient: kept out of the sums
-    finite = torch.isfinite(lp)
-    lp0 = torch.where(finite, lp, torch.zeros_like(lp))
-    lp_y = segment_sum(torch.where(is_y, lp0, torch.zeros_like(lp0)), rows, n)
-    centre = segment_sum(torch.where(finite, coef, torch.zeros_like(coef)) * lp0, rows, n)
-    loss = -adv * (w_y * lp_y - centre)
+    w_y, coef, truncated = centering_weights(lp.detach(), lq, rows, is_y, n, cap)
+    loss = -adv * surrogate(lp, w_y, coef, rows, is_y, n)
     metrics = {
         COEFFICIENT_L1: segment_sum(coef.abs(), rows, n).mean() if n else torch.zeros((), dtype=dtype, device=device),
         RATIO_TRUNCATED: truncated.mean() if n else torch.zeros((), dtype=dtype, device=device),
@@ -142,3 +129,26 @@ def score_centered_pg(
             total *= s
         loss = torch.zeros(total, dtype=loss.dtype, device=device).index_put((kept,), loss).reshape(shape)
     return loss, metrics
+
+
+@torch.no_grad()
+def centering_weights(lp: torch.Tensor, lq: torch.Tensor, rows, is_y, n: int, cap: float):
+    """The stop-gradient factors: (w_y [N], q_v w_v [nnz], 1 where p_y / q_y > cap [N]). The ratio
+    is taken in log space; q_v = 0 (lq = -inf) gives a 0 coefficient, not 0 * inf."""
+    log_ratio = lp - lq
+    w = torch.clamp(torch.exp(torch.where(torch.isfinite(lq), log_ratio, torch.zeros_like(lq))), max=cap)
+    q = torch.exp(lq)
+    coef = torch.where(q > 0, q * w, torch.zeros_like(q))
+    w_y = segment_sum(torch.where(is_y, w, torch.zeros_like(w)), rows, n)
+    over = is_y & (log_ratio > torch.log(torch.tensor(float(cap), dtype=lp.dtype)))
+    return w_y, coef, segment_sum(over.to(lp.dtype), rows, n)
+
+
+def surrogate(lp: torch.Tensor, w_y, coef, rows, is_y, n: int) -> torch.Tensor:
+    """w_y lp_y - sum_v coef_v lp_v per row ([N]), differentiable w.r.t. lp only. Entries with
+    lp = -inf (trainer probability 0) carry no gradient and are kept out of the sums."""
+    finite = torch.isfinite(lp)
+    lp0 = torch.where(finite, lp, torch.zeros_like(lp))
+    lp_y = segment_sum(torch.where(is_y, lp0, torch.zeros_like(lp0)), rows, n)
+    centre = segment_sum(torch.where(finite, coef, torch.zeros_like(coef)) * lp0, rows, n)
+    return w_y * lp_y - centre

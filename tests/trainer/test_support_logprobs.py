@@ -54,6 +54,7 @@ def test_values_and_gradients_match_dense_reference(device, dtype):
     assert not bool(g[~mask.to_dense(v).to(device)].any())
 
 
+@pytest.mark.slow
 def test_gradcheck_float64():
     mask = SamplingMask.from_lists([[0, 3, 4], [1], [2, 5], [], [0, 1, 2, 3, 4, 5]])
     z = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
