@@ -188,3 +188,40 @@ def test_convert_engine_json_keeps_entry_logprobs(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(resp))
     result = run("convert", tmp_path / "bad.json", "-o", tmp_path / "x.safetensors", "--from", "vllm-json")
     assert_one_line_error(result, "token 0", "do not normalise")
+
+
+# ---- score: support KL and tokens that differ -----------------------------------------------------------
+def _score_json(tmp_path, training_logits, *extra):
+    out = tmp_path / "score.json"
+    write(tmp_path / "train.safetensors", {"logits": training_logits})
+    result = run("score", "--masks", tmp_path / "m.safetensors", "--training", tmp_path / "train.safetensors",
+                 "--json", out, "--chunk-rows", "7", *extra)
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_score_reports_support_kl_and_tokens_different(tmp_path):
+    t = rollout_tensors(n=30, v=50, seed=3)
+    write(tmp_path / "r.safetensors", t)
+    assert run("capture", tmp_path / "r.safetensors", "-o", tmp_path / "m.safetensors", "--entry-logprobs",
+               "--temperature", "0.8").exit_code == 0
+    same = _score_json(tmp_path, t["logits"])
+    assert same["support"]["support_kl_max"] == pytest.approx(0.0, abs=1e-6)
+    assert same["support"]["ratio_tokens_different"] == 0.0
+    g = torch.Generator().manual_seed(9)
+    train = t["logits"] + 0.3 * torch.randn(t["logits"].shape, generator=g)
+    report = _score_json(tmp_path, train)
+    # the float64 reference of KL(q || p) over each row's support
+    mask = SamplingMask.load(tmp_path / "m.safetensors")
+    lq = reference_entries(t["logits"], mask, 0.8)
+    lp = reference_entries(train, mask, 0.8)
+    kl = torch.zeros(mask.num_rows, dtype=torch.float64).index_add(0, mask.row_ids(), lq.exp() * (lq - lp))
+    assert report["support"]["support_kl_mean"] == pytest.approx(float(kl.mean()), rel=1e-5)
+    assert report["support"]["support_kl_max"] == pytest.approx(float(kl.max()), rel=1e-5)
+    rep = mr.replay_logprobs(train, mask, temperature=0.8).double()
+    want = float(((rep - mask.logprobs.double()).abs() > 1e-6).double().mean())
+    assert report["support"]["ratio_tokens_different"] == pytest.approx(want)
+    # a mask file without entries has no such section
+    assert run("capture", tmp_path / "r.safetensors", "-o", tmp_path / "m.safetensors",
+               "--temperature", "0.8").exit_code == 0
+    assert "support" not in _score_json(tmp_path, train)
