@@ -131,7 +131,7 @@ def test_streamed_capture_cli_matches_the_library_and_reads_back_in_chunks(tmp_p
     assert run("capture", tmp_path / "r.safetensors", "-o", out, "--entry-logprobs", "--resume").exit_code == 0
     assert out.stat().st_mtime_ns == before
     inspect = run("inspect", out)
-    assert inspect.exit_code == 0 and "entry_logprobs" in inspect.output
+    assert inspect.exit_code == 0 and "entry log-probs" in inspect.output and "one per support entry" in inspect.output
 
 
 def test_mask_file_with_bad_entry_logprobs_is_one_line_error(tmp_path):
