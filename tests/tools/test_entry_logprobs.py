@@ -3,6 +3,7 @@ reference and the engines' float32 arithmetic, the streamed mask file (CLI --ent
 MaskFile chunks, save/load, padded files, convert, inspect, torchrun merges, and the checks."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -225,3 +226,20 @@ def test_score_reports_support_kl_and_tokens_different(tmp_path):
     assert run("capture", tmp_path / "r.safetensors", "-o", tmp_path / "m.safetensors",
                "--temperature", "0.8").exit_code == 0
     assert "support" not in _score_json(tmp_path, train)
+
+
+def test_vllm_sampling_mask_object_logprobs_and_sglang_per_support_mode():
+    """vLLM's offline SamplingMask(token_ids, logprobs) object, and SGLang's per-support
+    output_token_sampling_logprobs (one list per token aligned with the ids), become entry_logprobs."""
+    lp = torch.log_softmax(torch.tensor([2.0, 0.5, 1.0]), 0).tolist()
+    obj = SimpleNamespace(token_ids=[[9, 4, 6], [1]], logprobs=[lp, [0.0]])
+    completion = SimpleNamespace(index=0, token_ids=[4, 1], logprobs=None, sampling_mask=obj)
+    request = SimpleNamespace(request_id="r", outputs=[completion])
+    m = SamplingMask.from_vllm([request])
+    assert m.to_lists() == [[4, 6, 9], [1]]
+    assert m.entry_logprobs.tolist() == pytest.approx([lp[1], lp[2], lp[0], 0.0])  # sorted with the ids
+    assert m.logprobs.tolist() == pytest.approx([lp[1], 0.0])
+    resp = {"output_ids": [4, 1], "meta_info": {"id": "s", "output_token_sampling_mask": [[9, 4, 6], [1]],
+                                                 "output_token_sampling_logprobs": [lp, [0.0]]}}
+    s = SamplingMask.from_sglang(resp)
+    assert torch.equal(s.entry_logprobs, m.entry_logprobs) and torch.equal(s.token_ids, m.token_ids)
