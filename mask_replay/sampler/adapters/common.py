@@ -123,6 +123,8 @@ def build_mask(completions: Sequence[Completion], *, engine: str, temperature=No
         try:
             csr.check_entry_logprobs(entry_lp, mask.offsets, source="sampling-mask log-probs")
         except MaskFormatError as exc:
+            if exc.row is None:  # not a row's values (the counts were checked above): say it as it is
+                raise EngineOutputError(f"sampling-mask log-probs: {exc.problem}") from None
             raise EngineOutputError(f"{where(exc.row)}: {exc.problem.replace('{row}', str(exc.row))}") from None
     return mask
 
