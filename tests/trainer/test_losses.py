@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mask_replay as mr
 from mask_replay import SamplingMask
@@ -159,3 +161,21 @@ def test_errors_name_the_problem():
     y[2] = 11 if 11 not in mask.row(2).tolist() else 10
     with pytest.raises(ValueError, match="is not in the support of row 2"):
         mr.score_centered_pg(lp, lq, mask, adv, sampled=y)
+
+
+@settings(max_examples=25, deadline=None)
+@given(k=st.integers(2, 6), seed=st.integers(0, 10_000), cap=st.sampled_from([0.5, 1.0, 2.0, 10.0]),
+       spread=st.sampled_from([0.1, 1.0, 4.0]))
+def test_centering_holds_for_random_p_q_and_cap(k, seed, cap, spread):
+    """E_{y ~ q}[d loss / d lp] = 0 exactly, for any p, q over S and any cap (by enumeration of y)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = SamplingMask.from_lists([list(range(k))])
+    lq = torch.log_softmax(torch.randn(k, generator=g, dtype=torch.float64) * spread, 0)
+    lp0 = torch.log_softmax(torch.randn(k, generator=g, dtype=torch.float64) * spread, 0)
+    total = torch.zeros(k, dtype=torch.float64)
+    for y in range(k):
+        lp = lp0.clone().requires_grad_()
+        loss, _ = mr.score_centered_pg(lp, lq, mask, 1.0, sampled=torch.tensor([y]), cap=cap)
+        (g_lp,) = torch.autograd.grad(loss.sum(), lp)
+        total += lq[y].exp() * g_lp
+    assert torch.allclose(total, torch.zeros(k, dtype=torch.float64), atol=1e-12)
