@@ -39,11 +39,13 @@ PARAMS = ("temperature", "top_k", "top_p", "min_p")
               help="Whose support: exact (order-independent, ties whole) or an engine's (vllm, sglang, hf).")
 @click.option("--logprob-tol", type=click.FloatRange(min=0), default=DEFAULT_TOLERANCE, show_default=True,
               help="Nats by which a dump's rollout_logprobs may differ from capture's before the row is reported.")
+@click.option("--entry-logprobs", is_flag=True,
+              help="Also write every support entry's log-prob (key entry_logprobs), for losses over the support.")
 @click.option("--resume", is_flag=True, help="Skip if OUTPUT is already the complete mask file of these inputs.")
 @click.pass_context
 @one_line_errors
 def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, device, outside, profile,
-            logprob_tol, resume):
+            logprob_tol, entry_logprobs, resume):
     """Capture the sampling support of every row of ROLLOUT dump(s) into one mask file.
 
     Sampling parameters come from each dump's own keys (temperature, top_k, top_p, min_p); the
@@ -62,13 +64,14 @@ def capture(ctx, rollout, output, temperature, top_k, top_p, min_p, chunk_rows, 
                          (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
     flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     if resume and resumed.capture_complete(list(rollout), output, flags=flags, explicit=explicit, outside=outside,
-                                          profile=profile, logprob_tolerance=logprob_tol):
+                                          profile=profile, logprob_tolerance=logprob_tol,
+                                          entry_logprobs=entry_logprobs):
         return
     capture_fn = dist_cli.capture_under_torchrun if launch.under_torchrun() else capture_dumps
     summary = capture_fn(
         list(rollout), output, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         explicit=explicit, chunk_rows=chunk_rows, device=device, outside=outside, progress=True,
-        profile=profile, logprob_tolerance=logprob_tol)
+        profile=profile, logprob_tolerance=logprob_tol, entry_logprobs=entry_logprobs)
     if summary is None:  # under torchrun, a rank other than 0: rank 0 reports
         return
     err = console(err=True)

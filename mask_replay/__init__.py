@@ -9,6 +9,12 @@ from mask_replay.errors import MaskFormatError, OutsideSupportError
 from mask_replay.mask import SamplingMask
 from mask_replay.sampler.capture import capture, capture_fixed
 from mask_replay.trainer.replay import full_logprobs, kept_mass, replay_logprobs, replay_logprobs_from_hidden
+from mask_replay.trainer.losses import score_centered_pg
+from mask_replay.trainer.support_logprobs import (
+    replay_support_logprobs,
+    replay_support_logprobs_from_hidden,
+    support_logprobs_padded,
+)
 from mask_replay.trainer.support_stats import (
     support_entropy,
     support_entropy_from_hidden,
@@ -34,4 +40,8 @@ __all__ = [
     "support_entropy_from_hidden",
     "support_kl_from_hidden",
     "selftest",
+    "replay_support_logprobs",
+    "replay_support_logprobs_from_hidden",
+    "support_logprobs_padded",
+    "score_centered_pg",
 ]

@@ -73,6 +73,40 @@ def check_csr(token_ids: torch.Tensor, offsets: torch.Tensor, *, source: str,
     check_ids(token_ids, offsets, source=source, vocab_size=vocab_size)
 
 
+# How far from 0 (nats) the logsumexp of a row's entry log-probs may be: float32 log-softmax noise is
+# ~1e-6 on a 150k vocabulary (the same bound the log-prob mismatch report uses for the sampled token).
+ENTRY_LOGPROBS_TOLERANCE = 1e-4
+
+
+def check_entry_logprobs(values: torch.Tensor, offsets: torch.Tensor, *, source: str,
+                         tolerance: float = ENTRY_LOGPROBS_TOLERANCE) -> None:
+    """The per-entry log-probs of a support (offsets already checked): floating [nnz], no NaN or
+    +inf (-inf is an entry of probability 0), and each non-empty row a distribution over its
+    entries: |logsumexp(row)| <= tolerance. MaskFormatError naming the first bad row."""
+    nnz = int(offsets[-1])
+    if not values.is_floating_point() or values.dim() != 1 or values.numel() != nnz:
+        raise MaskFormatError(f"entry_logprobs must be a 1-D floating tensor of {nnz} entries (one per support id), "
+                              f"got {values.dtype} {tuple(values.shape)}", file=source)
+    if not nnz:
+        return
+    v, o = values.detach().cpu().double(), offsets.cpu()
+    n = o.numel() - 1
+    rows = torch.repeat_interleave(torch.arange(n), o[1:] - o[:-1], output_size=nnz)
+    bad = torch.nonzero(torch.isnan(v) | torch.isposinf(v))
+    if bad.numel():
+        e = int(bad[0])
+        raise MaskFormatError(f"entry_logprobs of row {{row}} hold {float(v[e])}", file=source,
+                              row=int(rows[e]))
+    lse = segment_logsumexp(v, rows, n)
+    filled = (o[1:] - o[:-1]) > 0
+    off = filled & ~(lse.abs() <= tolerance)  # an all -inf row: lse = -inf, not a distribution
+    bad = torch.nonzero(off)
+    if bad.numel():
+        r = int(bad[0])
+        raise MaskFormatError(f"entry_logprobs of row {{row}} do not normalise: logsumexp {float(lse[r]):.3g}, "
+                              f"more than {tolerance:g} from 0", file=source, row=r)
+
+
 def device_csr(token_ids: torch.Tensor, offsets: torch.Tensor, n: int, vocab: int, device, op: str):
     """(token_ids int64 [nnz], offsets int64 [n + 1], row of each entry int64 [nnz]) on `device`, after
     checking the contract there: the defects are flagged on the device and read back at once (one
@@ -102,6 +136,13 @@ def device_csr(token_ids: torch.Tensor, offsets: torch.Tensor, n: int, vocab: in
 
 def take_rows(token_ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor):
     """(token_ids, offsets) of the given rows, in the given order (rows int64 on offsets' device)."""
+    src, new_offsets = take_row_entries(offsets, rows)
+    return token_ids[src], new_offsets
+
+
+def take_row_entries(offsets: torch.Tensor, rows: torch.Tensor):
+    """(entry index of each entry of the result int64, offsets of the result) for the given rows, in
+    the given order: gathers token_ids, and any other per-entry column (entry_logprobs) alike."""
     starts, ends = offsets[:-1][rows], offsets[1:][rows]
     lengths = ends - starts
     new_offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=offsets.device)
@@ -110,7 +151,7 @@ def take_rows(token_ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor
     # entry j of the result comes from starts[row of j] + (j - new_offsets[row of j])
     which = torch.repeat_interleave(torch.arange(rows.numel(), device=offsets.device), lengths, output_size=nnz)
     src = starts[which] + torch.arange(nnz, device=offsets.device) - new_offsets[:-1][which]
-    return token_ids[src], new_offsets
+    return src, new_offsets
 
 
 def segment_logsumexp(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -149,3 +190,20 @@ def log_probs_over_support(x: torch.Tensor, rows: torch.Tensor, n: int):
     return logq, q, entry_alive, alive
 
 
+
+
+def support_log_softmax(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """x_e - logsumexp_{j in row(e)} x_j for every entry ([nnz], x's dtype), with the reduction in
+    float64 and the result rounded once: the one definition of a support's per-entry log-probs
+    (capture's entry_logprobs, the trainer's replay_support_logprobs). An entry whose x is -inf
+    gets -inf (probability 0, gradient 0), also in a row that has nothing finite; NaN stays NaN.
+    Differentiable: d out_e / d x_j = 1[e = j] - q_j within a row, 0 across rows."""
+    x64 = x.double()
+    return minus_row_lse(x64, segment_logsumexp(x64, rows, n), rows).to(x.dtype)
+
+
+def minus_row_lse(x: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x_e - lse[row e], -inf where x_e is -inf (no inf - inf, and a zero gradient there)."""
+    dead = x == float("-inf")
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[rows]
+    return torch.where(dead, torch.full_like(x, float("-inf")), x - torch.where(dead, safe, lse[rows]))

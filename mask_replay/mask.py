@@ -17,6 +17,7 @@ SEMANTICS = "mask-replay/support-v1"
 FORMAT_VERSION = "1"
 _ROW_EXTRAS = ("sampled", "logprobs", "kept_mass")
 _EXTRA_DTYPES = {"sampled": torch.int64, "logprobs": torch.float32, "kept_mass": torch.float32}
+ENTRY_KEY = "entry_logprobs"  # the one per-entry column: float32 [nnz], aligned with token_ids
 
 
 
@@ -31,6 +32,9 @@ class SamplingMask:
     kept_mass: Optional[torch.Tensor] = None  # float32 [N], mass of the support under softmax(z/T)
     extras: dict = field(default_factory=dict)  # other per-row tensors [N] (step, sequence, ...)
     metadata: dict = field(default_factory=dict)  # str -> str
+    # float32 [nnz], aligned with token_ids: the processed log-prob of every support entry,
+    # x_v - logsumexp_{j in S} x_j with x = z / T (the sampled entry is `logprobs`)
+    entry_logprobs: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         # Only types here (O(1)): the values are checked by validate() and by the ops.
@@ -38,7 +42,7 @@ class SamplingMask:
             if not isinstance(getattr(self, name), torch.Tensor):
                 got = type(getattr(self, name)).__name__
                 raise MaskFormatError(f"SamplingMask: {name} must be a tensor, got {got}")
-        for name in _ROW_EXTRAS:
+        for name in _ROW_EXTRAS + (ENTRY_KEY,):
             v = getattr(self, name)
             if v is not None and not isinstance(v, torch.Tensor):
                 raise MaskFormatError(f"SamplingMask: {name} must be a tensor or None, got {type(v).__name__}")
@@ -96,6 +100,8 @@ class SamplingMask:
             if bad.numel():
                 raise MaskFormatError(f"sampled token out of range [0, {vocab_size}) in row {{row}}", file=source,
                                       row=int(bad[0]))
+        if self.entry_logprobs is not None:
+            csr.check_entry_logprobs(self.entry_logprobs, self.offsets, source=source)
         return self
 
     # ---- conversions -------------------------------------------------------------------------
@@ -137,7 +143,7 @@ class SamplingMask:
 
     @classmethod
     def _with_extras(cls, token_ids, offsets, extras) -> "SamplingMask":
-        named = {k: extras.pop(k) for k in _ROW_EXTRAS if k in extras}
+        named = {k: extras.pop(k) for k in _ROW_EXTRAS + (ENTRY_KEY,) if k in extras}
         meta = extras.pop("metadata", {})
         return cls(token_ids, offsets, extras=extras, metadata=meta, **named)
 
@@ -145,7 +151,7 @@ class SamplingMask:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return SamplingMask(
             mv(self.token_ids), mv(self.offsets), mv(self.sampled), mv(self.logprobs), mv(self.kept_mass),
-            {k: mv(v) for k, v in self.extras.items()}, dict(self.metadata),
+            {k: mv(v) for k, v in self.extras.items()}, dict(self.metadata), mv(self.entry_logprobs),
         )
 
     def select_rows(self, start: int, stop: int) -> "SamplingMask":
@@ -155,6 +161,7 @@ class SamplingMask:
         return SamplingMask(
             self.token_ids[lo:hi], self.offsets[start: stop + 1] - lo, sl(self.sampled), sl(self.logprobs),
             sl(self.kept_mass), {k: v[start:stop] for k, v in self.extras.items()}, dict(self.metadata),
+            None if self.entry_logprobs is None else self.entry_logprobs[lo:hi],
         )
 
     @classmethod
@@ -172,6 +179,7 @@ class SamplingMask:
         return cls(
             torch.cat([m.token_ids for m in masks]), offsets, cat("sampled"), cat("logprobs"), cat("kept_mass"),
             {k: torch.cat([m.extras[k] for m in masks]) for k in sorted(keys)}, dict(masks[0].metadata),
+            cat(ENTRY_KEY),
         )
 
     def __eq__(self, other) -> bool:
@@ -180,7 +188,7 @@ class SamplingMask:
         if not (torch.equal(self.offsets.cpu(), other.offsets.cpu())
                 and torch.equal(self.token_ids.cpu(), other.token_ids.cpu())):
             return False
-        for name in _ROW_EXTRAS:
+        for name in _ROW_EXTRAS + (ENTRY_KEY,):
             a, b = getattr(self, name), getattr(other, name)
             if (a is None) != (b is None) or (a is not None and not torch.equal(a.cpu(), b.cpu())):
                 return False
@@ -188,13 +196,13 @@ class SamplingMask:
             torch.equal(v.cpu(), other.extras[k].cpu()) for k, v in self.extras.items())
 
     def __repr__(self) -> str:
-        have = [n for n in _ROW_EXTRAS if getattr(self, n) is not None] + sorted(self.extras)
+        have = [n for n in _ROW_EXTRAS + (ENTRY_KEY,) if getattr(self, n) is not None] + sorted(self.extras)
         return f"SamplingMask(rows={self.num_rows}, nnz={self.nnz}, device={self.device}, extras={have})"
 
     # ---- files -------------------------------------------------------------------------------
     def tensors(self) -> dict:
         out = {"token_ids": self.token_ids, "offsets": self.offsets}
-        for name in _ROW_EXTRAS:
+        for name in _ROW_EXTRAS + (ENTRY_KEY,):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out.update(self.extras)
@@ -219,7 +227,7 @@ class SamplingMask:
             if key not in tensors:
                 raise MaskFormatError(f"missing key '{key}' (is this a mask file?)", file=path)
         check_file_dtypes(tensors, str(path))
-        named = {k: tensors.pop(k) for k in _ROW_EXTRAS if k in tensors}
+        named = {k: tensors.pop(k) for k in _ROW_EXTRAS + (ENTRY_KEY,) if k in tensors}
         mask = cls(tensors.pop("token_ids"), tensors.pop("offsets"), extras=tensors, metadata=meta, **named)
         if validate:
             mask.validate(source=str(path))
@@ -242,7 +250,8 @@ class SamplingMask:
         return mask_from_sglang(outputs, **kwargs)
 
     def to_padded(self, width: Optional[int] = None):
-        """(ids [N, width] int32 padded with -1, counts [N] int32); see adapters.padded."""
+        """(ids [N, width] int32 padded with -1, counts [N] int32), and with entry_logprobs a third
+        tensor, logprobs [N, width] float32 padded with -inf; see adapters.padded."""
         from mask_replay.sampler.adapters.padded import to_padded
 
         return to_padded(self, width)
@@ -250,7 +259,8 @@ class SamplingMask:
     @classmethod
     def from_padded(cls, ids, counts, **kwargs) -> "SamplingMask":
         """Inverse of to_padded, with checks; kwargs strict_padding, vocab_size, metadata and
-        per-row tensors (sampled, logprobs, ...). See adapters.padded.mask_from_padded."""
+        per-row tensors (sampled, logprobs, ...), entry_logprobs [N, W] (padded like ids). See
+        adapters.padded.mask_from_padded."""
         from mask_replay.sampler.adapters.padded import mask_from_padded
 
         return mask_from_padded(ids, counts, **kwargs)
@@ -279,7 +289,7 @@ def file_metadata(metadata: dict) -> dict:
 # What each documented key of a mask file must hold (docs/formats.md); a file that breaks it is
 # refused at load, naming the key, before any value is used as an index or a step number.
 _FILE_KINDS = {"sampled": "integer", "step": "integer", "sequence": "integer", "position": "integer",
-               "logprob_mismatch": "integer", "logprobs": "float",
+               "logprob_mismatch": "integer", "logprobs": "float", ENTRY_KEY: "float",
                "kept_mass": "float", "capture_logprobs": "float", "temperature": "float", "outside_support": "bool"}
 
 

@@ -13,10 +13,12 @@ from mask_replay import csr
 def take_rows(mask, order: torch.Tensor):
     """A new mask made of the rows `order` (int64 [M], each in [0, N)), in that order."""
     order = order.to(device=mask.device, dtype=torch.int64)
-    token_ids, offsets = csr.take_rows(mask.token_ids, mask.offsets, order)
+    src, offsets = csr.take_row_entries(mask.offsets, order)
     pick = lambda v: None if v is None else v[order.to(v.device)]  # noqa: E731
-    return type(mask)(token_ids, offsets, pick(mask.sampled), pick(mask.logprobs),
-                      pick(mask.kept_mass), {k: pick(v) for k, v in mask.extras.items()}, dict(mask.metadata))
+    entries = None if mask.entry_logprobs is None else mask.entry_logprobs[src.to(mask.entry_logprobs.device)]
+    return type(mask)(mask.token_ids[src], offsets, pick(mask.sampled), pick(mask.logprobs),
+                      pick(mask.kept_mass), {k: pick(v) for k, v in mask.extras.items()}, dict(mask.metadata),
+                      entries)
 
 
 def align_mask(mask, order=None, *, sequences=None, key: str = "sequence"):

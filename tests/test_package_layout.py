@@ -195,3 +195,11 @@ def test_cli_installs_as_mask_replay_cli_only(tmp_path):
     assert tops == {"mask_replay"}, tops
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "mask-replay = mask_replay.cli.main:main" in entry
+
+
+def test_docs_layout_lists_every_module():
+    """docs/layout.md says which file holds what: a new module must be listed there."""
+    text = open(os.path.join(ROOT, "docs", "layout.md")).read()
+    missing = sorted(os.path.relpath(path, ROOT) for path in MODULES.values()
+                     if os.path.relpath(path, ROOT) not in text)
+    assert not missing, f"add to docs/layout.md: {missing}"

@@ -22,7 +22,7 @@ from mask_replay.csr import check_offsets
 from mask_replay.errors import MaskFormatError
 from mask_replay.files.dumps import Dump
 from mask_replay.files.safetensors_stream import StreamWriter
-from mask_replay.mask import _ROW_EXTRAS, SamplingMask, check_file_dtypes, file_metadata
+from mask_replay.mask import _ROW_EXTRAS, ENTRY_KEY, SamplingMask, check_file_dtypes, file_metadata
 
 
 class MaskFile:
@@ -44,7 +44,13 @@ class MaskFile:
             raise MaskFormatError(f"{path}: key 'token_ids': must be a 1-D int32 tensor, got "
                                   f"{d.dtype('token_ids')} {list(d.shape('token_ids'))}")
         self.nnz = d.shape("token_ids")[0]
-        per_row = {k: d.get(k) for k in d.keys() if k != "token_ids"}
+        # entry_logprobs is per entry ([nnz], read with its rows' ids); every other key is per row
+        self.has_entry_logprobs = ENTRY_KEY in d
+        if self.has_entry_logprobs and (not d.dtype(ENTRY_KEY).is_floating_point
+                                        or tuple(d.shape(ENTRY_KEY)) != (self.nnz,)):
+            raise MaskFormatError(f"{path}: key '{ENTRY_KEY}': must be a 1-D float tensor of {self.nnz} entries "
+                                  f"(one per support id), got {d.dtype(ENTRY_KEY)} {list(d.shape(ENTRY_KEY))}")
+        per_row = {k: d.get(k) for k in d.keys() if k not in ("token_ids", ENTRY_KEY)}
         check_file_dtypes(per_row, path)
         o = per_row.pop("offsets")
         check_offsets(o, self.nnz, source=path)
@@ -61,11 +67,14 @@ class MaskFile:
         self.metadata = dict(self._dump.metadata)
 
     def rows(self, a: int, b: int, vocab_size: int) -> SamplingMask:
-        """Rows [a, b) with their support ids, checked against the vocabulary."""
+        """Rows [a, b) with their support ids (and entry log-probs, when the file has them), checked
+        against the vocabulary."""
         lo, hi = int(self.offsets[a]), int(self.offsets[b])
         # a view of the file map, released when the next chunk is read (see Dump.get)
         sub = SamplingMask(self._dump.get("token_ids", lo, hi, stream=True), self.offsets[a: b + 1] - lo,
-                           None if self.sampled is None else self.sampled[a:b].to(torch.int64))
+                           None if self.sampled is None else self.sampled[a:b].to(torch.int64),
+                           entry_logprobs=self._dump.get(ENTRY_KEY, lo, hi).to(torch.float32)
+                           if self.has_entry_logprobs else None)
         try:
             sub.validate(vocab_size=vocab_size, source=self.path)
         except MaskFormatError as exc:
@@ -90,7 +99,8 @@ MISMATCH_REPORT_ROOM = 1024
 class MaskSink:
     """A mask file written chunk by chunk (layout in safetensors_stream.StreamWriter)."""
 
-    def __init__(self, f, rows: int, vocab: int, carried, outside: str, metadata: dict, compare: bool = False):
+    def __init__(self, f, rows: int, vocab: int, carried, outside: str, metadata: dict, compare: bool = False,
+                 entries: bool = False):
         head = {"offsets": (torch.int64, (rows + 1,))}
         for k in ("sampled",) + tuple(carried):
             head[k] = (torch.int64, (rows,))
@@ -105,13 +115,16 @@ class MaskSink:
         self.nnz = 0
         self.w = StreamWriter(f, head, growing=("token_ids", torch.int32, rows * vocab), tail_room=tail,
                               metadata=file_metadata(metadata),
-                              metadata_room=MISMATCH_REPORT_ROOM if compare else 0)
+                              metadata_room=MISMATCH_REPORT_ROOM if compare else 0,
+                              spooled=(ENTRY_KEY, torch.float32, rows * vocab) if entries else None)
         self.w.write_rows("offsets", 0, torch.zeros(1, dtype=torch.int64))
 
     def write(self, row0: int, m, extras: dict) -> None:
         """Rows [row0, row0 + m.num_rows): the chunk's mask and its per-row keys."""
         self.w.write_rows("offsets", row0 + 1, m.offsets[1:].cpu() + self.nnz)
         self.w.append(m.token_ids)
+        if self.w.spooled is not None:
+            self.w.append_spooled(m.entry_logprobs)
         self.nnz += m.nnz
         self.w.write_rows("sampled", row0, m.sampled)
         self.w.write_rows("kept_mass", row0, m.kept_mass)
@@ -131,15 +144,17 @@ class MemorySink:
     """One rank's share under torchrun (mask_replay.distributed): the chunks' masks kept in memory
     and concatenated, for rank 0 to gather and write."""
 
-    def __init__(self, carried, outside: str, metadata: dict, compare: bool = False):
+    def __init__(self, carried, outside: str, metadata: dict, compare: bool = False, entries: bool = False):
         self.carried, self.outside, self.metadata, self.parts = carried, outside, metadata, []
-        self.compare = compare
+        self.compare, self.entries = compare, entries
 
     def write(self, row0: int, m, extras: dict) -> None:
         self.parts.append((m, extras))
 
     def finish(self, flagged, codes, mismatch):
         mask = _concat(self.parts, self.carried, self.outside, self.compare)
+        if self.entries and mask.entry_logprobs is None:  # no rows: MaskSink writes the (empty) key too
+            mask.entry_logprobs = torch.zeros(0)
         mask.metadata = dict(self.metadata)
         if mismatch is not None:
             mask.metadata["logprob_mismatch"] = mismatch
@@ -154,7 +169,8 @@ def _concat(parts, carried, outside, compare=False):
     masks = []
     for m, ex in parts:
         masks.append(SamplingMask(m.token_ids, m.offsets, m.sampled, ex["logprobs"], m.kept_mass,
-                                  {k: v for k, v in ex.items() if k != "logprobs"}))
+                                  {k: v for k, v in ex.items() if k != "logprobs"},
+                                  entry_logprobs=m.entry_logprobs))
     mask = SamplingMask.concat(masks) if masks else SamplingMask.concat([])
     if not masks:  # no rows at all: an empty mask still carries empty per-row keys
         mask.sampled = torch.zeros(0, dtype=torch.int64)

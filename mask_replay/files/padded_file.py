@@ -1,6 +1,7 @@
 """Padded mask files: a safetensors file with `ids` [N, W] int32 (-1 padding) and `counts` [N]
-int32, plus the mask's per-row keys (sampled, logprobs, kept_mass, step, sequence, ...) as they are
-(docs/formats.md, "Padded mask file")."""
+int32, plus the mask's per-row keys (sampled, logprobs, kept_mass, step, sequence, ...) as they are and,
+when the mask has them, `entry_logprobs` [N, W] float32 padded with -inf (docs/formats.md, "Padded mask
+file")."""
 from __future__ import annotations
 
 import os
@@ -14,9 +15,11 @@ from mask_replay.sampler.adapters.padded import mask_from_padded, to_padded
 
 def save_padded(mask: SamplingMask, path, width: Optional[int] = None) -> None:
     """Atomic write; a row wider than `width` is a ValueError naming the row."""
-    ids, counts = to_padded(mask, width)
+    ids, counts, *entries = to_padded(mask, width)
     tensors = {k: v for k, v in mask.tensors().items() if k not in ("token_ids", "offsets")}
     tensors.update({"ids": ids.cpu().contiguous(), "counts": counts.cpu().contiguous()})
+    if entries:
+        tensors["entry_logprobs"] = entries[0].cpu().contiguous()
     meta = mask.file_metadata()
     meta["layout"] = "padded"
     save(path, tensors, meta)

@@ -8,6 +8,8 @@ format allows), then lays the data out as
 
     head tensors (sizes known up front, written at their place chunk by chunk)
     the growing tensor (appended chunk by chunk)
+    a second growing tensor, optional (`spooled`: appended to a temporary file chunk by chunk, copied
+        after the first in bounded blocks by finish(), since its place is known only then)
     tail tensors (small, written at the end: their place depends on the growing tensor's length)
 
 and writes the real header last. Head tensors are ordered by element size (largest first) and
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -41,6 +44,11 @@ DTYPE_CODES = {
 }
 CODE_DTYPES = {code: dt for dt, code in DTYPE_CODES.items()}
 MAX_HEADER = 100 << 20  # the reference reader's limit
+SPOOL_BLOCK = 8 << 20  # bytes per copy step of a spooled tensor into the file
+
+
+def _size(dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _code(dtype) -> str:
@@ -69,12 +77,23 @@ class StreamWriter:
     head: {name: (dtype, shape)} of tensors written with write_rows (or write);
     growing: (name, dtype, max_len) of the 1-D tensor appended with append, or None;
     tail_room: {name: (dtype, shape)} of tensors finish() may be given (room is reserved for all);
-    metadata_room: bytes of header kept for metadata that finish() adds (known only at the end).
+    metadata_room: bytes of header kept for metadata that finish() adds (known only at the end);
+    spooled: (name, dtype, max_len) of a second 1-D growing tensor, appended with append_spooled
+    (its element size at most the growing tensor's, so it stays aligned after it).
     """
 
     def __init__(self, f, head: dict, growing=None, tail_room: Optional[dict] = None,
-                 metadata: Optional[dict] = None, metadata_room: int = 0):
+                 metadata: Optional[dict] = None, metadata_room: int = 0, spooled=None):
         self.f = f
+        self.spooled = spooled
+        self._spool = None
+        self._spooled = 0  # elements appended to the spool so far
+        if spooled is not None:
+            if growing is None or _size(spooled[1]) > _size(growing[1]):
+                raise ValueError("safetensors: a spooled tensor needs a growing tensor of at least its alignment")
+            # next to the output (same filesystem, same free space); unlinked at once on POSIX
+            name = getattr(f, "name", None)
+            self._spool = tempfile.TemporaryFile(dir=(os.path.dirname(name) or None) if isinstance(name, str) else None)
         self.metadata = dict(metadata or {})
         self.head = sorted(head.items(), key=lambda kv: (-torch.empty(0, dtype=kv[1][0]).element_size(), kv[0]))
         self.growing = growing
@@ -93,17 +112,22 @@ class StreamWriter:
         self._grown = 0  # elements appended so far
         # Room for the largest header finish() can write: the growing tensor at max_len, every tail
         # tensor present; rounded up to 8 so the data starts aligned.
-        worst = self._entries(growing[2] if growing else 0, self.tail_room)
+        worst = self._entries(growing[2] if growing else 0, self.tail_room, spooled[2] if spooled else 0)
         self.header_size = -(-(len(_header_json(worst, self.metadata)) + metadata_room) // 8) * 8
         self.data_start = 8 + self.header_size
 
-    def _entries(self, grown: int, tail: dict) -> list:
+    def _entries(self, grown: int, tail: dict, spooled: int = 0) -> list:
         entries = [(n, dt, sh, a, b) for n, (dt, sh, a, b) in self._place.items()]
         pos = self._grow_start
         if self.growing is not None:
             name, dtype, _ = self.growing
             end = pos + grown * torch.empty(0, dtype=dtype).element_size()
             entries.append((name, dtype, (grown,), pos, end))
+            pos = end
+        if self.spooled is not None:
+            name, dtype, _ = self.spooled
+            end = pos + spooled * _size(dtype)
+            entries.append((name, dtype, (spooled,), pos, end))
             pos = end
         for name in sorted(tail, key=lambda n: (-torch.empty(0, dtype=tail[n][0]).element_size(), n)):
             dtype, shape = tail[name]
@@ -138,6 +162,26 @@ class StreamWriter:
         self._pwrite(self._grow_start + self._grown * t.element_size(), t)
         self._grown += t.numel()
 
+    def append_spooled(self, t: torch.Tensor) -> None:
+        name, dtype, max_len = self.spooled
+        t = t.to(dtype).reshape(-1)
+        if self._spooled + t.numel() > max_len:
+            raise ValueError(f"safetensors: '{name}' grows past the {max_len} entries reserved")
+        if t.numel():
+            self._spool.write(memoryview(t.detach().cpu().contiguous().view(torch.uint8).numpy()))
+        self._spooled += t.numel()
+
+    def _copy_spool(self, pos: int) -> None:
+        """The spooled tensor's bytes to data offset `pos`, in blocks (memory stays bounded)."""
+        self._spool.seek(0)
+        self.f.seek(self.data_start + pos)
+        while True:
+            block = self._spool.read(SPOOL_BLOCK)
+            if not block:
+                break
+            self.f.write(block)
+        self._spool.close()
+
     def finish(self, tail: Optional[dict] = None, metadata: Optional[dict] = None) -> None:
         if metadata:
             self.metadata.update(metadata)
@@ -145,10 +189,12 @@ class StreamWriter:
         for name, t in tail.items():
             if name not in self.tail_room:
                 raise ValueError(f"safetensors: no room reserved for tail tensor '{name}'")
-        entries = self._entries(self._grown, {k: (v.dtype, tuple(v.shape)) for k, v in tail.items()})
+        entries = self._entries(self._grown, {k: (v.dtype, tuple(v.shape)) for k, v in tail.items()}, self._spooled)
         for name, dtype, shape, start, end in entries:
             if name in tail:
                 self._pwrite(start, tail[name])
+            elif self.spooled is not None and name == self.spooled[0]:
+                self._copy_spool(start)
         end = max((e[4] for e in entries), default=0)
         header = _header_json(entries, self.metadata)
         if len(header) > self.header_size:  # metadata added at the end outgrew its reserved room

@@ -11,17 +11,19 @@ from typing import Optional
 
 import torch
 
-from mask_replay.csr import take_rows
+from mask_replay.csr import take_row_entries
 from mask_replay.mask import SamplingMask
 
 
 class StepLog:
     """Supports, processed log-prob normalisers and kept masses of every generation step."""
 
-    def __init__(self, flush_every: int = 16):
+    def __init__(self, flush_every: int = 16, entry_logprobs: bool = False):
         if int(flush_every) < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
         self.flush_every = int(flush_every)
+        # every support entry's processed log-prob, by the arithmetic of the sampled one (_gather)
+        self.entry_logprobs = bool(entry_logprobs)
         self.reset()
 
     def reset(self) -> None:
@@ -29,6 +31,8 @@ class StepLog:
         self.batch = self.vocab = 0
         self.steps = 0
         self._dense: list[torch.Tensor] = []  # bool [B, V] per step, not yet compacted
+        self._dense_lp: list[torch.Tensor] = []  # float32 [B, V] per step (entry_logprobs only)
+        self._entries: list[torch.Tensor] = []  # float32 per entry, like _ids (entry_logprobs only)
         self._ids: list[torch.Tensor] = []  # int32 token ids, step-major rows
         self._counts: list[torch.Tensor] = []  # int64 [B] per step
         self._logprobs: list[torch.Tensor] = []  # float32 [B] per finished step
@@ -50,15 +54,20 @@ class StepLog:
         if self._prev is not None:
             self._logprobs.append(self._gather(input_ids[:, -1]))
 
-    def add_dense(self, support: torch.Tensor) -> None:
+    def add_dense(self, support: torch.Tensor, logprobs: Optional[torch.Tensor] = None) -> None:
+        """support bool [B, V]; with entry_logprobs, logprobs float32 [B, V] (read on the support only)."""
         self._dense.append(support)
+        if self.entry_logprobs:
+            self._dense_lp.append(logprobs)
         if len(self._dense) >= self.flush_every:
             self._flush()
 
-    def add_csr(self, token_ids: torch.Tensor, counts: torch.Tensor) -> None:
+    def add_csr(self, token_ids: torch.Tensor, counts: torch.Tensor, entries: Optional[torch.Tensor] = None) -> None:
         self._flush()  # keep step order
         self._ids.append(token_ids.to(torch.int32))
         self._counts.append(counts.to(torch.int64))
+        if self.entry_logprobs:
+            self._entries.append(entries.to(torch.float32))
 
     def end(self, processed: torch.Tensor, lse: torch.Tensor, kept: Optional[torch.Tensor]) -> None:
         self._prev = (processed, lse)
@@ -80,6 +89,9 @@ class StepLog:
         self._dense = []
         self._ids.append(torch.nonzero(dense)[:, 1].to(torch.int32))
         self._counts.append(dense.sum(1))
+        if self.entry_logprobs:
+            self._entries.append(torch.stack(self._dense_lp).reshape(-1, self.vocab)[dense].float())
+            self._dense_lp = []
 
     def build(self, sequences: torch.Tensor, eos_token_id=None, metadata=None, extras=None) -> SamplingMask:
         """One row per generated token (sequence-major), rows after a sequence's first EOS dropped."""
@@ -107,7 +119,9 @@ class StepLog:
         seq, pos = torch.nonzero(valid, as_tuple=True)  # sequence-major, positions ascending
         seq, pos = seq.to(dev), pos.to(dev)
         rows = pos * self.batch + seq  # index into the step-major log
-        token_ids, new_offsets = take_rows(torch.cat(self._ids), offsets, rows)
+        src, new_offsets = take_row_entries(offsets, rows)
+        token_ids = torch.cat(self._ids)[src]
+        entries = torch.cat(self._entries)[src] if self.entry_logprobs else None
         lp = logprobs[pos, seq]
         kept = None
         if all(k is not None for k in self._kept):
@@ -124,4 +138,4 @@ class StepLog:
             row_extras[name] = torch.full_like(lp, float(value))
         meta = {"vocab_size": self.vocab, **(metadata or {})}
         return SamplingMask(token_ids, new_offsets, sampled=sampled, logprobs=lp, kept_mass=kept,
-                            extras=row_extras, metadata=meta)
+                            extras=row_extras, metadata=meta, entry_logprobs=entries)

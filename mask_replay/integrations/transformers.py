@@ -136,11 +136,13 @@ class MaskRecorder(_Recording, LogitsProcessor):
     Per step it keeps a bool [B, V] on the scores' device and two [B] tensors; every `flush_every`
     steps the pending steps are compacted to CSR (one host sync), which bounds memory. It returns
     the scores unchanged. Place `recorder.reference` after the temperature warper (before the
-    truncating ones) to get `kept_mass`.
+    truncating ones) to get `kept_mass`. entry_logprobs=True also records every support entry's
+    log-prob under the processed scores (the mask's `entry_logprobs`; the sampled entry is `logprobs`
+    bit for bit); it keeps the pending steps' float32 [B, V] log-probs until each flush.
     """
 
-    def __init__(self, flush_every: int = 16):
-        self._log = StepLog(flush_every)
+    def __init__(self, flush_every: int = 16, entry_logprobs: bool = False):
+        self._log = StepLog(flush_every, entry_logprobs)
         self.reference = _Reference(self)
         self._ref_lse, self._ref_step = None, -1
 
@@ -150,8 +152,10 @@ class MaskRecorder(_Recording, LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         self._log.begin(input_ids, scores)
-        self._log.add_dense(torch.isfinite(scores))
         lse = torch.logsumexp(scores.float(), dim=-1)
+        # the entries' log-probs by the sampled token's arithmetic (StepLog._gather): bit for bit
+        self._log.add_dense(torch.isfinite(scores),
+                            scores.float() - lse.float()[:, None] if self._log.entry_logprobs else None)
         kept = torch.exp(lse - self._ref_lse) if self._ref_step == self._log.steps else None
         self._log.end(scores, lse, kept)
         return scores
@@ -169,15 +173,16 @@ class SupportWarper(_Recording, LogitsProcessor):
 
     The support can differ from transformers' on ties and on its order (transformers applies min-p
     after top-p); docs/integrations.md. On CUDA, capture syncs once per step (its output size).
+    entry_logprobs=True also records every support entry's log-prob (O(support) per step).
     """
 
     def __init__(self, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 min_p: Optional[float] = None, record: bool = True):
+                 min_p: Optional[float] = None, record: bool = True, entry_logprobs: bool = False):
         _check_sampling(temperature, top_k, top_p, min_p)
         self.temperature = float(temperature)
         self.top_k, self.top_p, self.min_p = top_k or None, top_p, min_p
         self.record = record
-        self._log = StepLog()
+        self._log = StepLog(entry_logprobs=entry_logprobs)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.dim() != 2:
@@ -194,8 +199,10 @@ class SupportWarper(_Recording, LogitsProcessor):
         out = torch.full(scores.shape, float("-inf"), dtype=torch.float32, device=scores.device)
         out[rows, ids] = values
         if self.record:
-            self._log.add_csr(token_ids, support.lengths())
             lse = segment_logsumexp(values.double(), rows, n)  # O(support), not another pass over [B, V]
+            # the entries by the sampled token's arithmetic (StepLog._gather on `out`): bit for bit
+            self._log.add_csr(token_ids, support.lengths(),
+                              values - lse.float()[rows] if self._log.entry_logprobs else None)
             self._log.end(out, lse, torch.exp(lse - logz.double()).float())
         return out
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from mask_replay import csr
 from mask_replay._ops import ops
 from mask_replay.errors import InputError, OutsideSupportError
 from mask_replay.mask import SamplingMask
@@ -20,6 +21,7 @@ def capture(
     sampled: torch.Tensor | None = None,
     outside: str = "error",
     profile: str = "exact",
+    entry_logprobs: bool = False,
 ) -> SamplingMask:
     """Support of softmax(logits / T) after min-p, top-k and top-p, one CSR row per row of logits.
 
@@ -32,6 +34,13 @@ def capture(
     token over the support) and `kept_mass`. A sampled token outside its support raises
     OutsideSupportError naming the row, or with outside="flag" is recorded in
     extras["outside_support"] (its logprob is -inf).
+
+    With `entry_logprobs` the mask also carries the log-prob of every support entry (float32 [nnz],
+    CSR-aligned): x_v - logsumexp_{j in S} x_j with x = float32(z) / T; under the "exact" profile the
+    reduction is in float64 (csr.support_log_softmax, the trainer's replay_support_logprobs), under an
+    engine profile it is the engine's own float32 log_softmax of its processed logits. `logprobs` is
+    then read from these entries (the sampled one, bit for bit); it differs from the kernel's value
+    that capture gives without entry_logprobs by float32 rounding only (< 1e-6).
     """
     if outside not in ("error", "flag"):
         raise ValueError(f"outside must be 'error' or 'flag', got {outside!r}")
@@ -40,17 +49,33 @@ def capture(
     n, v = logits.shape
     profiles.check_profile(profile)
     t, k, p, mp = expand_params(n, logits.device, temperature, top_k, top_p, min_p)
+    entries = None
     if profile == "exact":
         token_ids, offsets, _ = ops.capture(logits, t, k, p, mp, False)
+        if entry_logprobs:
+            entries = _exact_entries(logits, token_ids, offsets, t)
     else:
-        token_ids, offsets, _ = profiles.engine_support(
-            logits, profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        token_ids, offsets, _, *rest = profiles.engine_support(
+            logits, profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            entry_logprobs=entry_logprobs)
+        entries = rest[0] if entry_logprobs else None
     meta = {"semantics": profiles.semantics(profile), "vocab_size": v,
             "params": describe(temperature, top_k, top_p, min_p)}
-    mask = SamplingMask(token_ids, offsets, metadata=meta)
+    mask = SamplingMask(token_ids, offsets, metadata=meta, entry_logprobs=entries)
     if sampled is not None:
         _attach_sampled(mask, logits, sampled, t, outside)
     return mask
+
+
+def _exact_entries(logits, token_ids, offsets, t):
+    """float32 [nnz]: x = float32(z) / T gathered at the support (T = 1 for greedy rows, whose one
+    entry is 0 whatever T), reduced in float64 and rounded once."""
+    n = logits.shape[0]
+    rows = torch.repeat_interleave(torch.arange(n, device=logits.device), offsets[1:] - offsets[:-1],
+                                   output_size=token_ids.numel())
+    t1 = torch.where(t == 0, torch.ones_like(t), t)
+    x = logits[rows, token_ids.long()].to(torch.float32) / t1[rows]
+    return csr.support_log_softmax(x, rows, n)
 
 
 def _attach_sampled(mask, logits, sampled, t, outside):
@@ -87,6 +112,11 @@ def _attach_sampled(mask, logits, sampled, t, outside):
         mask.extras["outside_support"] = outside_rows.clone()
     mask.sampled = sampled
     mask.logprobs = torch.where(greedy & ~outside_rows, torch.zeros_like(logp), logp).float()
+    if mask.entry_logprobs is not None and mask.nnz:
+        # the sampled entry, so that logprobs and entry_logprobs are the same float32 numbers
+        rows = mask.row_ids()
+        hit = torch.nonzero(mask.token_ids.long() == sampled[rows])[:, 0]
+        mask.logprobs = mask.logprobs.index_put((rows[hit],), mask.entry_logprobs[hit])
     mask.kept_mass = torch.where(greedy, torch.ones_like(kept), kept).float()
 
 

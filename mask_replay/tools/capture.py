@@ -94,6 +94,7 @@ class _Job:
     tolerance: float
     carried: list  # per-row keys copied from every dump into the mask file
     compare: bool  # some dump has rollout_logprobs: compare them with the captured support's
+    entries: bool = False  # write entry_logprobs (every support entry's log-prob, [nnz])
 
 
 def capture_dumps(
@@ -112,6 +113,7 @@ def capture_dumps(
     rows: Optional[tuple] = None,
     profile: str = "exact",
     logprob_tolerance: float = DEFAULT_TOLERANCE,
+    entry_logprobs: bool = False,
 ) -> CaptureSummary:
     """Capture the masks of every row of `paths` (in order) into the mask file `out`.
 
@@ -119,7 +121,8 @@ def capture_dumps(
     the dump. Errors are DumpError naming the file, key and absolute row. `profile` picks whose
     support (mask_replay.sampler.profiles); dumps with rollout_logprobs are compared with it per row.
     rows=(a, b) captures only the rows [a, b) of the concatenated inputs, and out=None writes
-    nothing (one rank's share under torchrun, see tools/torchrun.py).
+    nothing (one rank's share under torchrun, see tools/torchrun.py). entry_logprobs=True also writes
+    every support entry's log-prob (key `entry_logprobs`, streamed like token_ids: memory stays bounded).
     """
     out = os.fspath(out) if out is not None else None
     if not paths:
@@ -136,7 +139,7 @@ def capture_dumps(
         notes = [f"'{k}' is missing from some inputs: not carried" for k in CARRIED_KEYS
                  if k not in carried and any(k in d for d in dumps)]
         job = _Job(flags, explicit, device, outside, profile, logprob_tolerance, carried,
-                   any("rollout_logprobs" in d for d in dumps))
+                   any("rollout_logprobs" in d for d in dumps), bool(entry_logprobs))
         metadata = _mask_metadata(dumps, vocab, job)
         total = sum(n for n, _ in shapes)
         lo_row, hi_row = (0, total) if rows is None else (max(0, rows[0]), min(total, rows[1]))
@@ -181,8 +184,8 @@ def _capture_rows(dumps, shapes, vocab, job: _Job, metadata, out, lo_row, hi_row
     codes = torch.full((count,), -1, dtype=torch.int8)  # log-prob mismatch cause per row
     engine_lps, capture_lps = torch.zeros(count), torch.zeros(count)
     with (atomic_file(out) if out is not None else contextlib.nullcontext()) as f:
-        sink = MaskSink(f, count, vocab, job.carried, job.outside, metadata, job.compare) if out is not None \
-            else MemorySink(job.carried, job.outside, metadata, job.compare)
+        sink = MaskSink(f, count, vocab, job.carried, job.outside, metadata, job.compare, job.entries) \
+            if out is not None else MemorySink(job.carried, job.outside, metadata, job.compare, job.entries)
         # closed (and cleared) on errors too, so an error line never lands after a half-drawn bar
         with tqdm(total=count, unit="rows", desc="capture", disable=not progress or None, leave=False) as bar:
             row, first = 0, 0  # row: written so far; first: global row of the file's row 0
@@ -224,7 +227,7 @@ def _capture_chunk(d: Dump, a: int, b: int, job: _Job):
         logits, sampled = logits.to(device), sampled.to(device)
         params = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
     try:
-        m = capture(logits, sampled=sampled, outside=outside, profile=profile, **params)
+        m = capture(logits, sampled=sampled, outside=outside, profile=profile, entry_logprobs=job.entries, **params)
     except (RuntimeError, ValueError) as exc:
         # Name the defect precisely when it is in the logits; else the op's own words, located in
         # the file (its chunk-relative row made absolute), with the command line's advice.

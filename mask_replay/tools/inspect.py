@@ -39,6 +39,12 @@ def describe(d: Dump) -> dict:
                 "support size p99": float(torch.quantile(lengths, 0.99)), "support size max": int(lengths.max()),
                 "singleton share": float((lengths == 1).double().mean()),
             })
+        if "entry_logprobs" in d:  # header only: its values are checked where rows are read (score, load)
+            ok = list(d.shape("entry_logprobs")) == [summary["nnz"]] and d.dtype("entry_logprobs").is_floating_point
+            summary["entry log-probs"] = "one per support entry" if ok else "malformed"
+            if not ok:
+                problem = str(d.err("entry_logprobs", f"must be a 1-D float tensor of {summary['nnz']} entries, got "
+                                    f"{_dtname(d.dtype('entry_logprobs'))} {list(d.shape('entry_logprobs'))}"))
     else:
         try:
             if "sampled" in d:

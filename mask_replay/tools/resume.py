@@ -28,7 +28,7 @@ def _note(message: str) -> None:
 
 
 def capture_complete(paths, out, *, flags: dict, explicit, outside: str, profile: str = "exact",
-                     logprob_tolerance: Optional[float] = None) -> bool:
+                     logprob_tolerance: Optional[float] = None, entry_logprobs: bool = False) -> bool:
     """True (and a note) when `out` is the complete mask file of this capture."""
 
     if not os.path.isfile(out):
@@ -36,6 +36,7 @@ def capture_complete(paths, out, *, flags: dict, explicit, outside: str, profile
     try:
         with Dump(out) as m:
             meta, rows = m.metadata, m.shape("offsets")[0] - 1 if "offsets" in m else -1
+            has_entries = "entry_logprobs" in m
         total, params = 0, {}
         for p in paths:
             with Dump(p) as d:
@@ -44,7 +45,7 @@ def capture_complete(paths, out, *, flags: dict, explicit, outside: str, profile
         same = (json.loads(meta.get("sources", "null")) == [os.path.basename(p) for p in paths]
                 and json.loads(meta.get("params", "null")) == params
                 and meta.get("outside") == outside and meta.get("semantics") == semantics(profile)
-                and rows == total
+                and rows == total and has_entries == bool(entry_logprobs)
                 # the per-row log-prob mismatch codes depend on --logprob-tol: a report made with
                 # another tolerance is not this command's output
                 and (logprob_tolerance is None or "logprob_mismatch" not in meta

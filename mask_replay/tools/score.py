@@ -16,8 +16,9 @@ from mask_replay import errors
 from mask_replay.errors import DumpError
 from mask_replay.files.dumps import Dump, check_finite, default_chunk_rows
 from mask_replay.files.mask_file import MaskFile
-from mask_replay.trainer.metrics import build_report
+from mask_replay.trainer.metrics import build_report, support_kl_per_row
 from mask_replay.trainer.replay import full_logprobs, kept_mass, replay_logprobs
+from mask_replay.trainer.support_logprobs import replay_support_logprobs
 
 
 @dataclass
@@ -71,14 +72,16 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
     with MaskFile(masks_path) as mask, Dump(training_path) as tr:
         info = _row_info(mask, tr, masks_path, notes)
         first, last = rows if rows is not None else (0, mask.num_rows)
-        rep, full = _log_probs(mask, tr, info, masks_path, first, last, chunk_rows, device, progress)
+        rep, full, kl = _log_probs(mask, tr, info, masks_path, first, last, chunk_rows, device, progress)
     kept = info.kept
     if combine is not None:
-        combined = combine(rep[first:last], full[first:last], kept[first:last])
+        arrays = (rep[first:last], full[first:last], kept[first:last]) + (() if kl is None else (kl[first:last],))
+        combined = combine(*arrays)
         if combined is None:
             return None
-        rep, full, kept = combined
-    return _result(mask, info, rep, full, kept, notes)
+        rep, full, kept, *rest = combined
+        kl = rest[0] if rest else None
+    return _result(mask, info, rep, full, kept, notes, kl)
 
 
 def _row_info(mask: MaskFile, tr: Dump, masks_path: str, notes: list) -> _Rows:
@@ -118,11 +121,13 @@ def _row_info(mask: MaskFile, tr: Dump, masks_path: str, notes: list) -> _Rows:
 
 
 def _log_probs(mask, tr, info: _Rows, masks_path, first, last, chunk_rows, device, progress):
-    """(replay, no replay) float32 [N], filled for rows [first, last), chunk by chunk."""
+    """(replay, no replay) float32 [N], filled for rows [first, last), chunk by chunk, and when the mask
+    file has entry_logprobs the support KL(rollout || training) per row (float64 [N], else None)."""
     n, vocab = mask.num_rows, tr.shape("logits")[1]
     step_rows = chunk_rows or default_chunk_rows(vocab, tr.dtype("logits").itemsize)
     rep = torch.empty(n, dtype=torch.float32)
     full = torch.empty(n, dtype=torch.float32)
+    kl = torch.zeros(n, dtype=torch.float64) if mask.has_entry_logprobs else None
     with tqdm(total=last - first, unit="rows", desc="score", disable=not progress or None, leave=False) as bar, \
             torch.no_grad():
         for a in range(first, last, step_rows):
@@ -136,11 +141,22 @@ def _log_probs(mask, tr, info: _Rows, masks_path, first, last, chunk_rows, devic
             rep[a:b] = _replay(logits, sub, sampled, t, info.skipped[a:b], masks_path, a).cpu()
             if mask.kept_mass is None:
                 info.kept[a:b] = kept_mass(logits, sub, t).cpu()
+            if kl is not None:
+                kl[a:b] = _support_kl(logits, sub, t, masks_path, a).cpu()
             bar.update(b - a)
-    return rep, full
+    return rep, full, kl
 
 
-def _result(mask, info: _Rows, rep, full, kept, notes) -> ScoreResult:
+def _support_kl(logits, sub, t, masks_path, row0):
+    try:
+        lp = replay_support_logprobs(logits, sub, temperature=t)
+    except (RuntimeError, ValueError) as exc:
+        err = errors.from_op_error(exc, default_key="token_ids")
+        raise err.at(file=masks_path, row_offset=row0, cls=DumpError) from exc
+    return support_kl_per_row(sub.entry_logprobs, lp, sub.row_ids(), sub.num_rows)
+
+
+def _result(mask, info: _Rows, rep, full, kept, notes, kl=None) -> ScoreResult:
     """Rows that cannot be scored are left out (each kind named in a note); the report of the rest."""
     rollout = mask.logprobs.double().numpy()
     greedy, flagged, unsampled = info.greedy.numpy(), info.flagged.numpy(), info.unsampled.numpy()
@@ -165,7 +181,8 @@ def _result(mask, info: _Rows, rep, full, kept, notes) -> ScoreResult:
 
     step, seq = pick(mask.extras.get("step")), pick(mask.extras.get("sequence"))
     rollout, r, f = rollout[keep], rep.double().numpy()[keep], full.double().numpy()[keep]
-    report = build_report(rollout, r, f, kept.double().numpy()[keep], step, seq)
+    support_kl = None if kl is None else kl.double().numpy()[keep]
+    report = build_report(rollout, r, f, kept.double().numpy()[keep], step, seq, support_kl)
     return ScoreResult(report, rollout, r, f, step, notes)
 
 

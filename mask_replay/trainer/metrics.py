@@ -7,6 +7,9 @@ k3 = E[r - 1 - d] estimate KL(rollout || training) from rollout samples.
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from mask_replay.csr import segment_sum
 
 METRICS = ("importance_ratio_mean", "importance_ratio_median", "logp_diff_mean", "logp_diff_std",
            "kl_k1", "kl_k3", "chi2", "frac_outside_0.9_1.1")
@@ -52,7 +55,37 @@ def sequence_metrics(diff: np.ndarray, seq_keys: np.ndarray) -> dict:
         }
 
 
-def build_report(rollout, replay, no_replay, kept, step=None, sequence=None) -> dict:
+# A token "differs" when its training and rollout log-probs are farther apart than this (nats), the
+# threshold torchtitan's ratio_tokens_different uses: float32 recomputation noise is ~1e-7.
+TOKENS_DIFFERENT_ABOVE = 1e-6
+
+
+def support_kl_per_row(rollout_entries: torch.Tensor, training_entries: torch.Tensor, rows: torch.Tensor,
+                       n: int) -> torch.Tensor:
+    """KL(q || p) over each row's support, float64 [n]: q the rollout's per-entry log-probs (a mask's
+    entry_logprobs), p the trainer's (replay_support_logprobs). An entry with q = 0 adds 0; one with
+    q > 0 and p = 0 makes the row's KL +inf. Empty rows give 0."""
+    lq, lp = rollout_entries.double(), training_entries.double()
+    q = torch.exp(lq)
+    terms = torch.where(q > 0, q * (lq - lp), torch.zeros_like(q))
+    return segment_sum(terms, rows, n)
+
+
+def support_metrics(kl: np.ndarray, d_replay: np.ndarray) -> dict:
+    """The `support` section of score's report: support KL(q || p) per token (mean, max) and the share
+    of tokens whose replayed log-prob differs from the rollout's by more than TOKENS_DIFFERENT_ABOVE."""
+    kl, d = np.asarray(kl, dtype=np.float64), np.asarray(d_replay, dtype=np.float64)
+    if kl.size == 0:
+        return {"support_kl_mean": float("nan"), "support_kl_max": float("nan"),
+                "ratio_tokens_different": float("nan")}
+    with np.errstate(all="ignore"):
+        return {"support_kl_mean": float(kl.mean()), "support_kl_max": float(kl.max()),
+                "ratio_tokens_different": float((np.abs(d) > TOKENS_DIFFERENT_ABOVE).mean())}
+
+
+def build_report(rollout, replay, no_replay, kept, step=None, sequence=None, support_kl=None) -> dict:
+    """The JSON report (docs/formats.md, "Score report"); `support` only with support_kl (per token,
+    when the mask file has entry_logprobs)."""
     d_rep, d_full = replay - rollout, no_replay - rollout
     report = {
         "tokens": int(rollout.size),
@@ -61,6 +94,8 @@ def build_report(rollout, replay, no_replay, kept, step=None, sequence=None) -> 
         "no_replay": ratio_metrics(d_full),
         "per_step": {},
     }
+    if support_kl is not None:
+        report["support"] = support_metrics(support_kl, d_rep)
     if sequence is not None and rollout.size:
         # the same sequence index may recur at another step: a sequence is (step, sequence)
         keys = np.stack([step if step is not None else np.zeros_like(sequence), sequence], axis=1)

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from mask_replay._ops import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE, REPLAYED
-from mask_replay.csr import segment_logsumexp
+from mask_replay.csr import minus_row_lse, segment_logsumexp
 from mask_replay.mask import SamplingMask
 from mask_replay.params import FLOAT_DTYPES, temperature_per_row
 from mask_replay.trainer.collectives import copy_to_group, gather_rows
@@ -218,3 +218,87 @@ def _raise_row_error(r, status, y, lengths):
                          "the full vocabulary")
     raise ValueError(f"replay_vocab_parallel: sampled token {int(y[r])} is outside the support of row {r} "
                      f"({int(lengths[r])} tokens); pass fallback=True to use the full vocabulary for such rows")
+
+
+# ---- the whole support's log-probs ------------------------------------------------------------------
+def replay_support_logprobs_vocab_parallel(
+    logits_shard: torch.Tensor,
+    mask: SamplingMask,
+    *,
+    vocab_start: int,
+    group=None,
+    temperature: Temperature = 1.0,
+) -> torch.Tensor:
+    """mask_replay.replay_support_logprobs over a vocabulary split across the ranks of ``group``:
+    the log-prob of every support entry, [nnz] aligned with mask.token_ids, identical on every rank,
+    differentiable w.r.t. this rank's shard. One all_gather of [N + nnz, 2] values: each rank's
+    per-row logsumexp over its share of the support, and its entries' x = z / T (0 for entries of
+    other shards), with exact counts that check every id lies in exactly one shard."""
+    _check_matrix(logits_shard, "logits_shard")
+    n, vp = logits_shard.shape
+    acc = torch.float64 if logits_shard.dtype == torch.float64 else torch.float32
+    return _support(n, vp, logits_shard.device, acc, lambda rows, cols: logits_shard[rows, cols].to(acc), mask,
+                    vocab_start, group, temperature)
+
+
+def replay_support_logprobs_vocab_parallel_from_hidden(
+    hidden: torch.Tensor,
+    weight_shard: torch.Tensor,
+    mask: SamplingMask,
+    *,
+    vocab_start: int,
+    group=None,
+    temperature: Temperature = 1.0,
+    reduce_hidden_grad: bool = True,
+) -> torch.Tensor:
+    """The same from the LM head's input and this rank's weight rows (logits only for the support ids
+    of the shard); reduce_hidden_grad as in replay_logprobs_vocab_parallel_from_hidden."""
+    _check_matrix(hidden, "hidden")
+    _check_matrix(weight_shard, "weight_shard")
+    if weight_shard.dtype != hidden.dtype or weight_shard.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight_shard: expected [V_p, {hidden.shape[1]}] {hidden.dtype} like hidden, "
+                         f"got {list(weight_shard.shape)} {weight_shard.dtype}")
+    n, vp = hidden.shape[0], weight_shard.shape[0]
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    h = copy_to_group(hidden, group) if reduce_hidden_grad else hidden
+
+    def entries(rows, cols):
+        return (h[rows].to(acc) * weight_shard[cols].to(acc)).sum(-1)
+
+    return _support(n, vp, hidden.device, acc, entries, mask, vocab_start, group, temperature)
+
+
+def _support(n, vp, device, acc, entries: Callable, mask, vocab_start, group, temperature):
+    if not isinstance(mask, SamplingMask):
+        raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
+    if mask.num_rows != n:
+        raise ValueError(f"mask has {mask.num_rows} rows but the shard has {n}")
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
+    t = temperature_per_row(temperature, n, device, allow_zero=False, check_values=True).to(acc)
+    ids = mask.token_ids.to(device=device, dtype=torch.int64)
+    offsets = mask.offsets.to(device)
+    lengths = offsets[1:] - offsets[:-1]
+    nnz = ids.numel()
+    rows = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=nnz)
+    _check_ascending(ids, rows)
+    mine = (ids >= vocab_start) & (ids < vocab_start + vp)
+    where = torch.nonzero(mine)[:, 0]
+    x_mine = (entries(rows[where], ids[where] - vocab_start) / t[rows[where]]).double()
+    x_local = torch.zeros(nnz, dtype=torch.float64, device=device).index_put((where,), x_mine)
+    lse_local = segment_logsumexp(x_mine, rows[where], n)
+    held = torch.bincount(rows[where], minlength=n).double()
+    local = torch.stack([torch.cat([lse_local, x_local]), torch.cat([held, mine.double()])], 1)
+    g = gather_rows(local, group)  # [P, N + nnz, 2]: the one collective
+    owners = g[:, n:, 1].detach().sum(0)
+    bad = torch.nonzero(owners != 1).flatten()
+    if bad.numel():
+        r = int(rows[int(bad[0])])
+        raise ValueError(f"mask: row {r} holds token ids outside the ranks' shards, or shards overlap "
+                         f"(token {int(ids[int(bad[0])])} found in {int(owners[int(bad[0])])} shards; this rank "
+                         f"holds [{vocab_start}, {vocab_start + vp}))")
+    x = g[:, n:, 0].sum(0)  # one owner per entry: the other ranks add exact zeros
+    lse_parts = g[:, :n, 0]
+    # a rank holding none of a row has -inf there; a row no rank holds (empty) has no entries
+    lse = torch.logsumexp(torch.where(lengths[None, :] == 0, torch.zeros_like(lse_parts), lse_parts), 0)
+    return minus_row_lse(x, lse, rows).to(acc)

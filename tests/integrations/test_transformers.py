@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 
 import mask_replay  # noqa: E402
-from mask_replay.integrations._steplog import take_rows  # noqa: E402
+from mask_replay.csr import take_rows  # noqa: E402
 from mask_replay.integrations.transformers import MaskRecorder, SupportWarper, generate, hf_warpers  # noqa: E402
 from tests.integrations.hf_reference import check_mask, hf_support  # noqa: E402
 
@@ -234,3 +234,57 @@ def test_real_model_bf16_explicit_chain_records_the_sampled_support(smollm2):
     mask = rec.mask(out, eos_token_id=tokenizer.eos_token_id)
     n = check_mask(out, mask, enc["input_ids"].shape[1], tokenizer.eos_token_id, T, k, p)
     assert n == mask.num_rows > 0 and bool((mask.lengths() < model.config.vocab_size).all())
+
+
+# ---- entry_logprobs -------------------------------------------------------------------------------------
+def _drive(processor, steps, batch, vocab, seed):
+    """Call a processor as generate does (input_ids growing by the sampled token); return the sequences
+    and the processed scores of each step."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (batch, 3), generator=g)
+    seen = []
+    for _ in range(steps):
+        out = processor(ids, torch.randn(batch, vocab, generator=g) * 3)
+        seen.append(out)
+        probs = torch.softmax(out.float(), dim=-1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], 1)
+    return ids, seen
+
+
+@pytest.mark.parametrize("make", [lambda: MaskRecorder(flush_every=3, entry_logprobs=True),
+                                  lambda: SupportWarper(temperature=0.7, top_p=0.9, entry_logprobs=True)])
+def test_recorders_write_entry_logprobs(make):
+    rec = make()
+    chain = [rec] if isinstance(rec, SupportWarper) else [*hf_warpers(0.7, top_k=8, top_p=0.9), rec]
+
+    def processor(ids, scores):
+        for p in chain:
+            scores = p(ids, scores)
+        return scores
+
+    sequences, seen = _drive(processor, steps=5, batch=3, vocab=40, seed=2)
+    mask = rec.mask(sequences)
+    assert mask.entry_logprobs is not None and mask.entry_logprobs.shape == (mask.nnz,)
+    mask.validate(40)
+    # the float64 reference: log-softmax of each step's processed scores over the finite ones
+    seq, pos = mask.extras["sequence"], mask.extras["position"]
+    for r in range(mask.num_rows):
+        lo, hi = int(mask.offsets[r]), int(mask.offsets[r + 1])
+        scores = seen[int(pos[r])][int(seq[r])].double()
+        want = torch.log_softmax(scores, 0)[mask.token_ids[lo:hi].long()]
+        assert torch.allclose(mask.entry_logprobs[lo:hi].double(), want, atol=1e-6, rtol=0)
+    rows = mask.row_ids()
+    at_y = mask.token_ids.long() == mask.sampled[rows]
+    assert torch.equal(mask.entry_logprobs[at_y], mask.logprobs)  # bit for bit
+    plain = SupportWarper(temperature=0.7, top_p=0.9) if isinstance(rec, SupportWarper) else MaskRecorder(3)
+    assert plain._log.entry_logprobs is False
+
+
+def test_generate_with_entry_logprobs(tiny):
+    model, enc = tiny
+    torch.manual_seed(3)
+    out, mask = generate(model, enc, MaskRecorder(entry_logprobs=True), max_new_tokens=6, top_p=0.9)
+    assert mask.entry_logprobs is not None
+    mask.validate(V)
+    rows = mask.row_ids()
+    assert torch.equal(mask.entry_logprobs[mask.token_ids.long() == mask.sampled[rows]], mask.logprobs)

@@ -230,7 +230,8 @@ row_lists = st.lists(st.lists(st.integers(0, 60), min_size=0, max_size=8, unique
 @given(rows=row_lists, data=st.data())
 def test_vllm_random_rows_match_reference(rows, data):
     tokens = [data.draw(st.sampled_from(r)) if r else data.draw(st.integers(0, 60)) for r in rows]
-    mlp = [[-float(i + 1) for i in range(len(r))] for r in rows]
+    # each row's entries a distribution over its mask (the adapter checks that they normalise)
+    mlp = [torch.log_softmax(-torch.arange(1.0, len(r) + 1, dtype=torch.float64), 0).tolist() for r in rows]
     content = [{"logprob": -0.5 - t} for t in range(len(rows))]
     choice = {"index": 0, "token_ids": tokens, "sampling_mask": [list(r) for r in rows],
               "sampling_mask_logprobs": mlp, "logprobs": {"content": content}}

@@ -18,7 +18,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from mask_replay.errors import EngineOutputError
+from mask_replay import csr
+from mask_replay.errors import EngineOutputError, MaskFormatError
 from mask_replay.mask import SamplingMask
 from mask_replay.params import _float32_problem
 
@@ -105,8 +106,8 @@ def build_mask(completions: Sequence[Completion], *, engine: str, temperature=No
     row_of = np.repeat(np.arange(n_rows, dtype=np.int64), parsed.counts)
     _check_ids(parsed.ids, row_of, parsed.sampled, vocab_size, where)
     ids, order, found, pos = _sort_rows(parsed, row_of, where)
-    logprobs, source = _row_logprobs(parsed.token_logprobs, parsed.entry_logprobs, order, found, pos, parsed.tokens,
-                                     parsed.entries, completions)
+    logprobs, source, entry_lp = _row_logprobs(parsed.token_logprobs, parsed.entry_logprobs, order, found, pos,
+                                               parsed.tokens, parsed.entries, completions)
     offsets = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(parsed.counts, out=offsets[1:])
     extras = {"sequence": torch.from_numpy(parsed.sequence), "position": torch.from_numpy(parsed.position)}
@@ -114,9 +115,18 @@ def build_mask(completions: Sequence[Completion], *, engine: str, temperature=No
     meta = {"engine": engine, "logprobs_source": source, "sequences": [c.key for c in completions]}
     if vocab_size is not None:
         meta["vocab_size"] = int(vocab_size)
-    return SamplingMask(
+    mask = SamplingMask(
         torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(offsets),
-        sampled=torch.from_numpy(parsed.sampled), logprobs=logprobs, extras=extras, metadata=meta)
+        sampled=torch.from_numpy(parsed.sampled), logprobs=logprobs, extras=extras, metadata=meta,
+        entry_logprobs=entry_lp)
+    if entry_lp is not None:  # NaN, +inf or a row that is not a distribution: named by its row
+        try:
+            csr.check_entry_logprobs(entry_lp, mask.offsets, source="sampling-mask log-probs")
+        except MaskFormatError as exc:
+            if exc.row is None:  # not a row's values (the counts were checked above): say it as it is
+                raise EngineOutputError(f"sampling-mask log-probs: {exc.problem}") from None
+            raise EngineOutputError(f"{where(exc.row)}: {exc.problem.replace('{row}', str(exc.row))}") from None
+    return mask
 
 
 def _parse(completions: Sequence[Completion]) -> _Parsed:
@@ -297,10 +307,11 @@ def _find_sampled(keys, sampled):
 
 
 def _row_logprobs(tlp_parts, elp_parts, order, found, pos, n_tok, n_ent, completions):
-    """The sampled token's log-prob per row, and which engine field(s) it came from."""
+    """The sampled token's log-prob per row, which engine field(s) it came from, and the per-entry
+    log-probs sorted like the ids (float32 [nnz]) when every completion with tokens sent them."""
     have = [t is not None or e is not None for t, e in zip(tlp_parts, elp_parts)]
     if not any(have):
-        return None, "none"
+        return None, "none", None
     for i, c in enumerate(completions):
         if n_tok[i] and not have[i]:
             raise EngineOutputError(f"{c.label}: no log-probs, while other completions have them "
@@ -327,4 +338,6 @@ def _row_logprobs(tlp_parts, elp_parts, order, found, pos, n_tok, n_ent, complet
             view[use] = entry_lp[pos[sl][use]]
             sources.add("sampling_mask_logprobs")
         row += n_tok[i]
-    return torch.from_numpy(out.astype(np.float32)), "+".join(sorted(sources))
+    every = all(e is not None or not n_tok[i] for i, e in enumerate(elp_parts))
+    entries = torch.from_numpy(entry_lp.astype(np.float32)) if entry_lp is not None and every else None
+    return torch.from_numpy(out.astype(np.float32)), "+".join(sorted(sources)), entries

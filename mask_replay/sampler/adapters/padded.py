@@ -19,8 +19,10 @@ PAD = -1
 
 
 def to_padded(mask, width: Optional[int] = None):
-    """(ids [N, width] int32 padded with -1, counts [N] int32). width defaults to the widest row;
-    a row wider than `width` is an error naming the row and its size."""
+    """(ids [N, width] int32 padded with -1, counts [N] int32), plus, when the mask carries
+    entry_logprobs, logprobs [N, width] float32 padded with -inf (probability 0, as prime-rl pads its
+    log-probs). width defaults to the widest row; a row wider than `width` is an error naming the
+    row and its size."""
     lengths = mask.lengths()
     n = mask.num_rows
     widest = int(lengths.max()) if n else 0
@@ -36,16 +38,22 @@ def to_padded(mask, width: Optional[int] = None):
         rows = mask.row_ids()
         cols = torch.arange(mask.nnz, device=mask.device) - mask.offsets[rows]
         ids[rows, cols] = mask.token_ids
-    return ids, lengths.to(torch.int32)
+    if mask.entry_logprobs is None:
+        return ids, lengths.to(torch.int32)
+    lp = torch.full((n, width), float("-inf"), dtype=torch.float32, device=mask.device)
+    if mask.nnz:
+        lp[rows, cols] = mask.entry_logprobs.to(device=mask.device, dtype=torch.float32)
+    return ids, lengths.to(torch.int32), lp
 
 
 def mask_from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Optional[int] = None,
-                source: str = "padded mask", metadata: Optional[dict] = None, **extras):
+                source: str = "padded mask", metadata: Optional[dict] = None, entry_logprobs=None, **extras):
     """The mask of a padded layout. Checks: ids 2-D integer, counts [N] integer in [0, W];
     ids in the first counts[r] slots in [0, vocab_size) (or [0, 2^31)) and distinct; with
     `strict_padding` the other slots are -1 (vLLM's compact buffer leaves them unwritten: pass
     False for it). Rows come out sorted. `extras` are per-row tensors (sampled, logprobs, ...);
-    a `sampled` token must lie in its row unless the row is empty."""
+    a `sampled` token must lie in its row unless the row is empty. `entry_logprobs` [N, W] (floating,
+    slots like ids; padding not read) become the mask's entry_logprobs, sorted with the ids."""
     ids = _int_tensor(ids, "ids", 2, source)
     counts = _int_tensor(counts, "counts", 1, source).to(ids.device)
     n, w = ids.shape
@@ -70,13 +78,22 @@ def mask_from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Op
                                     f"{PAD}, got {int(ids[r, s])}")
     # sort each row's valid prefix (padding pushed past it), then check distinctness
     keyed = torch.where(valid, ids, torch.full_like(ids, INT32_LIMIT))
-    keyed = torch.sort(keyed, dim=1).values
+    keyed, perm = torch.sort(keyed, dim=1)
     if w > 1:
         bad = torch.nonzero(valid[:, 1:] & (keyed[:, 1:] == keyed[:, :-1]))
         if bad.numel():
             r, s = (int(x) for x in bad[0])
             raise EngineOutputError(f"{source}: row {r}: id {int(keyed[r, s])} appears twice")
     token_ids = keyed[valid].to(torch.int32)  # valid slots are each row's prefix, so order holds
+    entries = None
+    if entry_logprobs is not None:
+        if not isinstance(entry_logprobs, torch.Tensor) or not entry_logprobs.is_floating_point() \
+                or tuple(entry_logprobs.shape) != (n, w):
+            shape = tuple(entry_logprobs.shape) if isinstance(entry_logprobs, torch.Tensor) else \
+                type(entry_logprobs).__name__
+            raise EngineOutputError(f"{source}: entry_logprobs must be a floating tensor of shape [{n}, {w}] "
+                                    f"(like ids), got {shape}")
+        entries = entry_logprobs.to(ids.device).gather(1, perm)[valid].to(torch.float32)
     offsets = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     for name, v in extras.items():
@@ -93,7 +110,11 @@ def mask_from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Op
             raise EngineOutputError(f"{source}: row {r}: sampled token {int(s[r])} is not among its "
                                     f"{int(counts[r])} ids")
     named = {k: extras.pop(k) for k in ("sampled", "logprobs", "kept_mass") if k in extras}
-    return SamplingMask(token_ids, offsets, extras=extras, metadata=dict(metadata or {}), **named)
+    mask = SamplingMask(token_ids, offsets, extras=extras, metadata=dict(metadata or {}), entry_logprobs=entries,
+                        **named)
+    if entries is not None:
+        mask.validate(source=source)
+    return mask
 
 
 def _int_tensor(x, name, dim, source):

@@ -69,13 +69,16 @@ def engine_of(profile: str) -> str:
 
 
 def engine_support(logits: torch.Tensor, profile: str, *, temperature=1.0, top_k=None, top_p=None,
-                   min_p=None, return_keep: bool = False):
+                   min_p=None, return_keep: bool = False, entry_logprobs: bool = False):
     """The support of each row under an engine profile (not "exact": that is the capture kernel).
 
     Returns (token_ids int32, offsets int64, logz float32 [N] = logsumexp of logits / T over the
     vocabulary, at T = 1 for greedy rows); with return_keep also the bool [N, V] support.
     Parameters are as for `mask_replay.capture`; None means the filter is off for the whole call,
     which matters where an engine switches a pass on for a whole batch (vLLM's top-p pass).
+    With entry_logprobs, last comes float32 [nnz]: every support entry's log-prob by the engine's
+    arithmetic, a float32 log_softmax of its processed logits (-inf off the support), as vLLM's
+    processed log-probs are computed (the profile's float32 x, the engine's order of operations).
     """
     if check_profile(profile) == "exact":
         raise ValueError("engine_support computes engine profiles; the exact profile is the capture kernel")
@@ -91,4 +94,7 @@ def engine_support(logits: torch.Tensor, profile: str, *, temperature=1.0, top_k
     # at the temperature capture's log-probs are computed with (T = 1 only where T == 0)
     t = prm.temperature
     logz = log_normaliser(logits.to(torch.float32) / torch.where(t == 0, torch.ones_like(t), t).unsqueeze(1))
-    return (token_ids, offsets, logz, keep) if return_keep else (token_ids, offsets, logz)
+    out = (token_ids, offsets, logz) + ((keep,) if return_keep else ())
+    if entry_logprobs:
+        out += (torch.log_softmax(x.masked_fill(~keep, float("-inf")), dim=-1)[keep],)
+    return out

@@ -1,0 +1,154 @@
+"""Losses over the replayed support. score_centered_pg: the importance-weighted policy gradient minus its
+expectation under the rollout distribution, exact over the recorded support (docs/score_centering.md).
+
+Per token with support S, sampled y, advantage A, trainer log-probs lp and rollout log-probs lq over S
+(both normalised over S: replay_support_logprobs and mask.entry_logprobs), cap C, w(r) = min(r, C),
+sg = stop-gradient:
+
+    loss = -A * ( sg(w(p_y / q_y)) * lp_y  -  sum_{v in S} sg(q_v * w(p_v / q_v)) * lp_v )
+
+    d loss / d theta = -A * ( w_y grad lp_y - E_{v ~ q}[ w_v grad lp_v ] )
+
+The second term is the expectation of the first under y ~ q, the distribution the rollout sampled
+from, which lives exactly on S: its expectation over y is zero for any p, q and C, and at p = q it
+vanishes itself (sum_v q_v grad log p_v = grad sum_v p_v = 0). O(nnz), torch ops only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mask_replay.csr import segment_sum
+from mask_replay.mask import SamplingMask
+
+__all__ = ["score_centered_pg", "DEFAULT_CAP"]
+
+DEFAULT_CAP = 2.0
+COEFFICIENT_L1 = "score_centering/coefficient_l1"
+RATIO_TRUNCATED = "ratio_truncated_frac"
+
+
+def _row_values(name: str, values, n: int, shape, kept, device, dtype) -> torch.Tensor:
+    """A scalar, [N] per mask row, or the labels' shape (read at the kept positions) -> [N]."""
+    if not isinstance(values, torch.Tensor):
+        return torch.full((n,), float(values), dtype=dtype, device=device)
+    v = values.to(device=device, dtype=dtype)
+    if v.dim() == 0:
+        return v.expand(n)
+    if tuple(v.shape) == (n,):
+        return v
+    if shape is not None and tuple(v.shape) == tuple(shape):
+        return v.reshape(-1)[kept]
+    want = f"[{n}] (one per mask row)" + (f" or {list(shape)} (the labels' shape)" if shape is not None else "")
+    raise ValueError(f"score_centered_pg: {name} must be a scalar or {want}, got {tuple(v.shape)}")
+
+
+def score_centered_pg(
+    trainer_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: SamplingMask,
+    advantages,
+    *,
+    sampled: Optional[torch.Tensor] = None,
+    cap: float = DEFAULT_CAP,
+    labels: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    loss_mask: Optional[torch.Tensor] = None,
+):
+    """The score-centered policy-gradient loss per token, and its metrics.
+
+    trainer_logprobs [nnz]: replay_support_logprobs of the trainer's logits (differentiable);
+    rollout_logprobs [nnz]: the rollout's (mask.entry_logprobs), no gradient; both CSR-aligned with
+    mask.token_ids. advantages: a scalar, [N] per mask row, or the labels' shape. sampled [N]
+    (default mask.sampled) must lie in its row's support. cap: C > 0 (w(r) = min(r, C)).
+
+    Returns (loss, metrics). loss is [N] (per mask row), or with labels / loss_mask the labels'
+    shape with 0 at ignored positions (gradient 0 there), like replay_logprobs' batch layouts.
+    metrics (0-d detached tensors, means over the tokens): "score_centering/coefficient_l1", the
+    sum over S of |q_v w_v| per token; "ratio_truncated_frac", the share of tokens whose
+    p_y / q_y > C. Reduce the loss as your trainer does (mean over tokens, per sequence, ...).
+    """
+    op = "score_centered_pg"
+    if not isinstance(mask, SamplingMask):
+        raise TypeError(f"{op}: mask must be a SamplingMask, got {type(mask).__name__}")
+    n, nnz = mask.num_rows, mask.nnz
+    for name, t in (("trainer_logprobs", trainer_logprobs), ("rollout_logprobs", rollout_logprobs)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != nnz or not t.is_floating_point():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{op}: {name} must be a floating tensor [nnz] = [{nnz}] aligned with the mask's "
+                             f"token_ids, got {got}")
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+        raise ValueError(f"{op}: cap must be a number > 0, got {cap!r}")
+    lp = trainer_logprobs
+    device, dtype = lp.device, lp.dtype
+    lq = rollout_logprobs.detach().to(device=device, dtype=dtype)
+
+    shape = kept = None
+    if labels is not None or loss_mask is not None:
+        shape = tuple(labels.shape) if labels is not None else tuple(loss_mask.shape)
+        keep = torch.ones(shape, dtype=torch.bool, device=device)
+        if labels is not None:
+            keep &= labels.to(device) != ignore_index
+        if loss_mask is not None:
+            if tuple(loss_mask.shape) != shape:
+                raise ValueError(f"{op}: loss_mask must have the labels' shape {list(shape)}, got "
+                                 f"{tuple(loss_mask.shape)}")
+            keep &= loss_mask.to(device) != 0
+        kept = torch.nonzero(keep.reshape(-1))[:, 0]
+        if kept.numel() != n:
+            raise ValueError(f"{op}: the mask has {n} rows but the batch has {kept.numel()} positions that are not "
+                             "ignored")
+    adv = _row_values("advantages", advantages, n, shape, kept, device, dtype)
+
+    if sampled is None:
+        if mask.sampled is None:
+            raise ValueError(f"{op}: sampled is required (the mask carries no sampled tokens)")
+        sampled = mask.sampled
+    if not isinstance(sampled, torch.Tensor) or tuple(sampled.shape) != (n,):
+        raise ValueError(f"{op}: sampled must be a tensor [{n}] (one per mask row)")
+    ids = mask.token_ids.to(device=device, dtype=torch.int64)
+    offsets = mask.offsets.to(device=device, dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(n, device=device), offsets[1:] - offsets[:-1], output_size=nnz)
+    is_y = ids == sampled.to(device=device, dtype=torch.int64)[rows]
+    found = segment_sum(is_y.to(torch.int64), rows, n)
+    if n and bool((found != 1).any()):
+        r = int(torch.nonzero(found != 1)[0])
+        raise ValueError(f"{op}: sampled token {int(sampled[r])} is not in the support of row {r} "
+                         f"({int(offsets[r + 1] - offsets[r])} tokens): no ratio p_y / q_y there")
+
+    w_y, coef, truncated = centering_weights(lp.detach(), lq, rows, is_y, n, cap)
+    loss = -adv * surrogate(lp, w_y, coef, rows, is_y, n)
+    metrics = {
+        COEFFICIENT_L1: segment_sum(coef.abs(), rows, n).mean() if n else torch.zeros((), dtype=dtype, device=device),
+        RATIO_TRUNCATED: truncated.mean() if n else torch.zeros((), dtype=dtype, device=device),
+    }
+    if shape is not None:
+        total = 1
+        for s in shape:
+            total *= s
+        loss = torch.zeros(total, dtype=loss.dtype, device=device).index_put((kept,), loss).reshape(shape)
+    return loss, metrics
+
+
+@torch.no_grad()
+def centering_weights(lp: torch.Tensor, lq: torch.Tensor, rows, is_y, n: int, cap: float):
+    """The stop-gradient factors: (w_y [N], q_v w_v [nnz], 1 where p_y / q_y > cap [N]). The ratio
+    is taken in log space; q_v = 0 (lq = -inf) gives a 0 coefficient, not 0 * inf."""
+    log_ratio = lp - lq
+    w = torch.clamp(torch.exp(torch.where(torch.isfinite(lq), log_ratio, torch.zeros_like(lq))), max=cap)
+    q = torch.exp(lq)
+    coef = torch.where(q > 0, q * w, torch.zeros_like(q))
+    w_y = segment_sum(torch.where(is_y, w, torch.zeros_like(w)), rows, n)
+    over = is_y & (log_ratio > torch.log(torch.tensor(float(cap), dtype=lp.dtype)))
+    return w_y, coef, segment_sum(over.to(lp.dtype), rows, n)
+
+
+def surrogate(lp: torch.Tensor, w_y, coef, rows, is_y, n: int) -> torch.Tensor:
+    """w_y lp_y - sum_v coef_v lp_v per row ([N]), differentiable w.r.t. lp only. Entries with
+    lp = -inf (trainer probability 0) carry no gradient and are kept out of the sums."""
+    finite = torch.isfinite(lp)
+    lp0 = torch.where(finite, lp, torch.zeros_like(lp))
+    lp_y = segment_sum(torch.where(is_y, lp0, torch.zeros_like(lp0)), rows, n)
+    centre = segment_sum(torch.where(finite, coef, torch.zeros_like(coef)) * lp0, rows, n)
+    return w_y * lp_y - centre
