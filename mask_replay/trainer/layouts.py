@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from mask_replay._ops import ops
+from mask_replay._ops import higher_order_error, ops
 from mask_replay.mask import SamplingMask
 from mask_replay.params import output_dtype, temperature_value
 
@@ -89,14 +89,19 @@ class _RowsReplay(torch.autograd.Function):
     def forward(ctx, logits, rows_map, token_ids, offsets, sampled, temperature, fallback, dummy_rows):
         rows = rows_map.view(logits)
         logp, lse, status = ops.replay_fwd(rows, token_ids, offsets, sampled, temperature, fallback)
-        ctx.save_for_backward(rows, token_ids, offsets, sampled, temperature, lse, status, dummy_rows)
+        ctx.save_for_backward(logits, rows, token_ids, offsets, sampled, temperature, lse, status, dummy_rows)
         ctx.rows_map, ctx.shape = rows_map, logits.shape
         ctx.mark_non_differentiable(status)
         return logp, status
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_status):
-        rows, token_ids, offsets, sampled, temperature, lse, status, dummy_rows = ctx.saved_tensors
+        logits, rows, token_ids, offsets, sampled, temperature, lse, status, dummy_rows = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph=True: the rows view is taken again from the logits so that the gradient
+            # stays connected to them, and differentiating it reaches replay_bwd's refusal (_ops.py)
+            # instead of a silent zero.
+            rows = ctx.rows_map.view(logits)
         grad = ops.replay_bwd(grad_logp.contiguous(), rows, token_ids, offsets, sampled, temperature, lse, status)
         if dummy_rows.numel():
             # A dummy row whose token-0 logit is not finite has lse = +-inf or NaN, and its
@@ -105,6 +110,10 @@ class _RowsReplay(torch.autograd.Function):
             if dead.numel():
                 grad.index_fill_(0, dead, 0)
         return ctx.rows_map.unview(grad, ctx.shape), None, None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise higher_order_error("mask_replay::replay_fwd", "forward-mode AD")
 
 
 # ---- the batch's positions ------------------------------------------------------------------------
