@@ -80,6 +80,8 @@ def mask_from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Op
     offsets = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     for name, v in extras.items():
+        if name in ("token_ids", "offsets"):
+            raise EngineOutputError(f"{source}: {name} is the mask's own CSR key, not a per-row extra")
         if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.numel() != n:
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise EngineOutputError(f"{source}: {name} must be a tensor of shape [{n}], got {shape}")
