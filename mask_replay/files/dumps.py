@@ -12,6 +12,7 @@ The formats are described in docs/formats.md.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from mask_replay.errors import DumpError
-from mask_replay.files.safetensors_stream import Header, pread_rows
+from mask_replay.files.safetensors_stream import Header, checked_shape, pread_rows
 from mask_replay.params import FLOAT_DTYPES, INT_DTYPES
 
 # Optional per-row keys of a rollout dump and what they must hold.
@@ -126,7 +127,7 @@ class Dump:
             if dtype.hasobject:
                 raise DumpError(f"{self.path}: key '{key}': holds Python objects (pickles are not read)")
             self._npy[key] = (info, dtype, fortran, offset)
-            self._shapes[key] = tuple(shape)
+            self._shapes[key] = checked_shape(tuple(int(s) for s in shape), f"{self.path}: key '{key}'")
             # numpy has no bfloat16: such dumps must use safetensors or .pt
             self._dtypes[key] = torch.from_numpy(np.zeros(0, dtype=dtype.newbyteorder("="))).dtype
 
@@ -137,7 +138,7 @@ class Dump:
         # a Fortran-ordered member has no contiguous rows: read whole (numpy never writes one unasked)
         lo, hi = (max(0, start), max(min(shape[0], stop), max(0, start))) if rows and not fortran \
             else (0, shape[0] if shape else 1)
-        row_items = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        row_items = math.prod(shape[1:]) if shape else 1
         f = self._open_members.get(key)
         if f is None:  # kept open: chunks read in order continue where the last one stopped
             f = self._open_members[key] = self._zip.open(info)
@@ -169,7 +170,7 @@ class Dump:
     def nbytes(self, key) -> int:
         dt = self._dtypes[key]
         size = torch.empty(0, dtype=dt).element_size() if isinstance(dt, torch.dtype) else 0
-        return int(np.prod(self._shapes[key], dtype=np.int64)) * size
+        return math.prod(self._shapes[key]) * size
 
     def get(self, key, start: Optional[int] = None, stop: Optional[int] = None, *, stream: bool = False) -> torch.Tensor:
         """Rows [start, stop) of `key` (the whole tensor when both are None); reads only those rows.
@@ -199,7 +200,7 @@ class Dump:
         dtype, shape, begin, _ = self._header.tensors[key]
         lo, hi = max(0, start), max(min(shape[0], stop), max(0, start))
         item = torch.empty(0, dtype=dtype).element_size()
-        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * item
+        row_bytes = math.prod(shape[1:]) * item
         a = self._header.data_start + begin + lo * row_bytes
         self._release(key)
         self._mapped[key] = (a, (hi - lo) * row_bytes)
