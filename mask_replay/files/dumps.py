@@ -43,6 +43,9 @@ PARAM_KEYS = ("temperature", "top_k", "top_p", "min_p")
 _PER_ROW_KINDS = {
     "temperature": "float", "top_k": "int", "top_p": "float", "min_p": "float",
     "rollout_logprobs": "float", "step": "int", "sequence": "int",
+    # the engine batch (rows sampled in one engine step) of each row: batch-wide choices of the engine
+    # profiles are made per batch; without it a dump is one batch (docs/formats.md)
+    "batch": "int",
 }
 # Keys that may be 0-dim (one value for all rows); the others must be [N].
 _SCALAR_OK = set(PARAM_KEYS)

@@ -20,6 +20,8 @@ def capture(
     sampled: torch.Tensor | None = None,
     outside: str = "error",
     profile: str = "exact",
+    batch: torch.Tensor | None = None,
+    switches: dict | None = None,
 ) -> SamplingMask:
     """Support of softmax(logits / T) after min-p, top-k and top-p, one CSR row per row of logits.
 
@@ -32,6 +34,13 @@ def capture(
     token over the support) and `kept_mass`. A sampled token outside its support raises
     OutsideSupportError naming the row, or with outside="flag" is recorded in
     extras["outside_support"] (its logprob is -inf).
+
+    Engine batches (engine profiles only): where an engine makes a choice for a whole batch (vLLM runs
+    its top-p pass for every row once one row uses top-p; SGLang sorts or calls topk depending on all
+    rows' top-k), the batch is the rows the engine sampled in one step: `batch` [N] ids (rows with one
+    id form one batch), else every row of this call. `switches` instead gives each row's batch-wide
+    choices precomputed over whole batches (profiles.batch_switches), for callers that capture a
+    batch in pieces: the mask of a row never depends on which rows share its call.
     """
     if outside not in ("error", "flag"):
         raise ValueError(f"outside must be 'error' or 'flag', got {outside!r}")
@@ -44,7 +53,8 @@ def capture(
         token_ids, offsets, _ = ops.capture(logits, t, k, p, mp, False)
     else:
         token_ids, offsets, _ = profiles.engine_support(
-            logits, profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+            logits, profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, batch=batch,
+            switches=switches)
     meta = {"semantics": profiles.semantics(profile), "vocab_size": v,
             "params": describe(temperature, top_k, top_p, min_p)}
     mask = SamplingMask(token_ids, offsets, metadata=meta)

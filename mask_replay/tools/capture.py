@@ -191,9 +191,10 @@ def _capture_rows(dumps, shapes, vocab, job: _Job, metadata, out, lo_row, hi_row
                 first += n
                 step = chunk_rows or max(1, default_chunk_rows(vocab, d.dtype("logits").itemsize + MASK_ENTRY_BYTES)
                                          // profiles.CHUNK_DIVISOR[job.profile])
+                switches = _engine_batch_switches(d, n, vocab, job) if hi > lo else {}
                 for a in range(lo, hi, step):
                     b = min(hi, a + step)
-                    m, extras = _capture_chunk(d, a, b, job)
+                    m, extras = _capture_chunk(d, a, b, job, {k: v[a:b] for k, v in switches.items()})
                     sink.write(row, m, extras)
                     span = slice(row, row + b - a)
                     lengths[span], flagged[span] = m.lengths(), extras["outside_support"]
@@ -214,7 +215,21 @@ def _capture_rows(dumps, shapes, vocab, job: _Job, metadata, out, lo_row, hi_row
                           int(flagged.sum()), notes, mask, mismatch)
 
 
-def _capture_chunk(d: Dump, a: int, b: int, job: _Job):
+def _engine_batch_switches(d: Dump, n: int, vocab: int, job: _Job) -> dict:
+    """The engine profile's batch-wide choices for every row of the dump, decided over its engine
+    batch (the dump's `batch` key, else the whole dump), never over a chunk or a rank's share: the
+    per-row parameters are read whole (a few bytes per row) once per dump."""
+    if job.profile == "exact":
+        return {}
+    params = {k: _param_value(d, k, job.flags, job.explicit, 0, n) for k in PARAM_KEYS}
+    batch = d.get("batch").to(torch.int64) if "batch" in d else None
+    try:
+        return profiles.batch_switches(job.profile, n, vocab, **params, batch=batch)
+    except ValueError as exc:
+        raise errors.from_op_error(exc, keys=PARAM_KEYS, default_key="batch").at(file=d.path, cls=DumpError) from exc
+
+
+def _capture_chunk(d: Dump, a: int, b: int, job: _Job, switches: Optional[dict] = None):
     flags, explicit, device, outside, profile = job.flags, job.explicit, job.device, job.outside, job.profile
     has_lp, carried, compare, tol = "rollout_logprobs" in d, job.carried, job.compare, job.tolerance
     logits = d.get("logits", a, b, stream=True)  # released when the next chunk is read
@@ -224,7 +239,7 @@ def _capture_chunk(d: Dump, a: int, b: int, job: _Job):
         logits, sampled = logits.to(device), sampled.to(device)
         params = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
     try:
-        m = capture(logits, sampled=sampled, outside=outside, profile=profile, **params)
+        m = capture(logits, sampled=sampled, outside=outside, profile=profile, switches=switches or None, **params)
     except (RuntimeError, ValueError) as exc:
         # Name the defect precisely when it is in the logits; else the op's own words, located in
         # the file (its chunk-relative row made absolute), with the command line's advice.
