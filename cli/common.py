@@ -19,7 +19,13 @@ class CliError(click.ClickException):
     """Printed as a single line 'mask-replay: error: ...' on stderr; exit status 1."""
 
     def show(self, file=None):
-        click.echo(f"mask-replay: error: {self.format_message()}", err=True)
+        click.echo(f"mask-replay: error: {one_line(self.format_message())}", err=True)
+
+
+def one_line(text: str) -> str:
+    """An error line stays one line whatever a path or key in it holds: control characters (a newline
+    in a file name) are written as escapes, the rest of the text as it is."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 class Group(click.Group):
@@ -52,7 +58,7 @@ def _usage_line(exc: click.UsageError) -> str:
 
 
 def fail(message: str, code: int):
-    click.echo(f"mask-replay: error: {message}", err=True)
+    click.echo(f"mask-replay: error: {one_line(message)}", err=True)
     sys.exit(code)
 
 
@@ -64,8 +70,8 @@ def one_line_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except DumpError as exc:
-            raise CliError(str(exc).splitlines()[0]) from exc
+        except DumpError as exc:  # one line by design: a newline in it is a path's or a key's
+            raise CliError(str(exc)) from exc
         except OSError as exc:  # disk full, permission lost mid-write, ...
             name = f"{exc.filename}: " if exc.filename else ""
             raise CliError(f"{name}{exc.strerror or exc}") from exc
@@ -74,7 +80,9 @@ def one_line_errors(fn):
 
 
 def console(err: bool = False):
-    return Console(file=sys.stderr if err else sys.stdout, highlight=False)
+    """The terminal, printing text as it is: file names, keys and metadata are the user's, and rich
+    markup ("[red]", "[/INST]") or emoji codes (":x:") in them must neither raise nor vanish."""
+    return Console(file=sys.stderr if err else sys.stdout, highlight=False, markup=False, emoji=False)
 
 
 def fmt(x) -> str:

@@ -103,6 +103,10 @@ class Dump:
         obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
             raise DumpError(f"{self.path}: a .pt dump must hold a dict of tensors, got {type(obj).__name__}")
+        for k, v in obj.items():  # what torch.load can rebuild but no reader can read rows from
+            if v.device.type != "cpu" or v.layout != torch.strided or v.is_quantized:
+                what = "a meta tensor (no data)" if v.is_meta else f"a {v.layout} {v.device.type} tensor"
+                raise DumpError(f"key '{k}': {what}; a dump holds dense tensors with their data", file=self.path)
         self._tensors = {str(k): v for k, v in obj.items()}
         self._shapes = {k: tuple(v.shape) for k, v in self._tensors.items()}
         self._dtypes = {k: v.dtype for k, v in self._tensors.items()}

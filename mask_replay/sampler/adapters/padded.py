@@ -31,7 +31,12 @@ def to_padded(mask, width: Optional[int] = None):
     if widest > width:
         r = int(torch.nonzero(lengths > width)[0])
         raise ValueError(f"row {r} has {int(lengths[r])} ids, more than the width {width}")
-    ids = torch.full((n, width), PAD, dtype=torch.int32, device=mask.device)
+    if width >= INT32_LIMIT:  # a row holds distinct int32 ids: no support is this wide
+        raise ValueError(f"width {width} is not below 2^31 (no row can hold more distinct int32 ids)")
+    try:
+        ids = torch.full((n, width), PAD, dtype=torch.int32, device=mask.device)
+    except (RuntimeError, MemoryError) as exc:  # the allocator's refusal, named by the sizes asked for
+        raise ValueError(f"{n} rows x width {width} int32 ids ({4 * n * width:,} bytes) cannot be allocated") from exc
     if mask.nnz:
         rows = mask.row_ids()
         cols = torch.arange(mask.nnz, device=mask.device) - mask.offsets[rows]
