@@ -1,8 +1,10 @@
 """What every command shares: one-line errors, option settings, terminal output."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import signal
 import sys
 
 import click
@@ -28,6 +30,38 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
+class Terminated(BaseException):
+    """A termination signal (a scheduler's time-out, `timeout`, `docker stop`, a closed terminal):
+    raised where the command is, so that its atomic outputs unwind and remove their temp files."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# SIGTERM and SIGHUP end a command as Ctrl-C does: cleanly, with one line and exit status 128 + N.
+TERMINATION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _raise_terminated(signum, _frame):
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminate_cleanly():
+    """While the command runs, a termination signal unwinds it (Terminated) instead of killing it
+    mid-write. Only in the main thread (signal handlers can be set only there); restored after."""
+    try:
+        previous = {s: signal.signal(s, _raise_terminated) for s in TERMINATION_SIGNALS}
+    except ValueError:  # not the main thread (e.g. the command invoked from a test's worker thread)
+        previous = {}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 class Group(click.Group):
     """The top-level command: every error is one line on stderr, never a traceback or a usage dump.
 
@@ -38,7 +72,10 @@ class Group(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with terminate_cleanly():
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except Terminated as exc:
+            fail(f"terminated by {signal.Signals(exc.signum).name} (unfinished outputs removed)", 128 + exc.signum)
         except click.UsageError as exc:
             fail(_usage_line(exc), 2)
         except click.ClickException as exc:
