@@ -20,6 +20,7 @@ from tqdm import tqdm
 from mask_replay import errors
 from mask_replay.errors import DumpError, OutsideSupportError
 from mask_replay.files.dumps import PARAM_KEYS, Dump, check_finite, check_sampled, default_chunk_rows
+from mask_replay.files.identity import file_identity, source_names
 from mask_replay.files.mask_file import MaskSink, MemorySink
 from mask_replay.files.safe_output import atomic_file, check_distinct, check_writable
 from mask_replay.sampler import profiles
@@ -158,10 +159,11 @@ def _check_inputs(dumps: list):
 
 
 def _mask_metadata(dumps: list, vocab: int, job: _Job) -> dict:
-    names = [os.path.basename(d.path) for d in dumps]
+    names = source_names([d.path for d in dumps])
     return {
         "vocab_size": vocab,
         "sources": names,
+        "inputs": [file_identity(d.path) for d in dumps],  # what --resume compares (files/identity.py)
         "params": {name: {k: _param_source(d, k, job.flags, job.explicit) for k in PARAM_KEYS}
                    for name, d in zip(names, dumps)},
         "logprobs_source": {name: "rollout_logprobs" if "rollout_logprobs" in d else "computed"
