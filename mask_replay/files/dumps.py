@@ -32,11 +32,19 @@ from mask_replay.params import FLOAT_DTYPES, INT_DTYPES
 # per token), so that flat rows at top-p .95 stay within budget too (measured: 0.66 GB peak anonymous
 # memory for 6 and 12 GB dumps, benchmarks/bench_memory.py).
 DEFAULT_CHUNK_BYTES = 256 << 20
+# What a row of a chunk costs besides its `vocab` entries, whatever V: the per-row buffers of capture
+# and score (sampled, offsets, the four sampling parameters expanded per row, replay's log-prob, lse
+# and status, kept mass, the mask's per-row extras and their conversions for the file, the profiles'
+# per-row switches), about 40 values of up to 8 bytes, rounded up. Without it a small vocabulary
+# made chunks of millions of rows whose per-row buffers, not their logits, filled memory (V = 2: a
+# 128 MB dump peaked at 1.1 GB).
+PER_ROW_BYTES = 384
 
 
 def default_chunk_rows(vocab: int, bytes_per_entry: int) -> int:
-    """Rows per chunk: DEFAULT_CHUNK_BYTES over the bytes a row of `vocab` entries takes."""
-    return max(1, DEFAULT_CHUNK_BYTES // max(1, vocab * bytes_per_entry))
+    """Rows per chunk: DEFAULT_CHUNK_BYTES over the bytes a row takes, its `vocab` entries of
+    `bytes_per_entry` and its per-row buffers (PER_ROW_BYTES) together."""
+    return max(1, DEFAULT_CHUNK_BYTES // (max(0, vocab) * max(0, bytes_per_entry) + PER_ROW_BYTES))
 
 
 PARAM_KEYS = ("temperature", "top_k", "top_p", "min_p")

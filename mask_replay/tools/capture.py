@@ -38,7 +38,7 @@ class CaptureSummary:
     rows: int
     nnz: int
     vocab: int
-    lengths: torch.Tensor  # int64 [rows], support size per row
+    lengths: torch.Tensor  # int32 [rows], support size per row (4 bytes a row for the whole run)
     bytes_read: int  # logits bytes
     bytes_written: int
     seconds: float
@@ -50,16 +50,21 @@ class CaptureSummary:
     def stats(self) -> dict:
         """Support-size statistics and throughput, JSON-able."""
         n = max(self.rows, 1)
-        ln = self.lengths.double()
         has = self.rows > 0
+        # one sorted int32 copy, no float64 one (torch.quantile also refuses more than 2^24 values):
+        # the lower median as torch.median gives it, the 99th percentile interpolated as torch.quantile
+        ln = torch.sort(self.lengths).values if has else self.lengths
+        pos = 0.99 * (self.rows - 1)
+        lo = int(pos)
+        p99 = float(ln[lo]) + (float(ln[min(lo + 1, self.rows - 1)]) - float(ln[lo])) * (pos - lo) if has else 0.0
         return {
             "rows": self.rows,
             "nnz": self.nnz,
             "vocab": self.vocab,
-            "support_mean": float(ln.mean()) if has else 0.0,
-            "support_median": float(ln.median()) if has else 0.0,
-            "support_p99": float(torch.quantile(ln, 0.99)) if has else 0.0,
-            "support_max": int(self.lengths.max()) if has else 0,
+            "support_mean": float(self.lengths.sum(dtype=torch.int64)) / n if has else 0.0,
+            "support_median": float(ln[(self.rows - 1) // 2]) if has else 0.0,
+            "support_p99": p99,
+            "support_max": int(ln[-1]) if has else 0,
             "singleton_share": float((self.lengths == 1).sum()) / n,
             "outside_support_rows": self.outside_rows,
             "bytes_written": self.bytes_written,
@@ -178,10 +183,12 @@ def _capture_rows(dumps, shapes, vocab, job: _Job, metadata, out, lo_row, hi_row
     or memory when out is None). Only O(rows) values stay in memory for the summary and the report."""
     count = max(0, hi_row - lo_row)
     bytes_read, t0 = 0, time.perf_counter()
-    lengths = torch.empty(count, dtype=torch.int64)
+    lengths = torch.empty(count, dtype=torch.int32)  # a support has fewer than 2^31 ids
     flagged = torch.zeros(count, dtype=torch.bool)
-    codes = torch.full((count,), -1, dtype=torch.int8)  # log-prob mismatch cause per row
-    engine_lps, capture_lps = torch.zeros(count), torch.zeros(count)
+    # the log-prob comparison's per-row values, for the whole run only when there is one
+    compared = count if job.compare else 0
+    codes = torch.full((compared,), -1, dtype=torch.int8)  # log-prob mismatch cause per row
+    engine_lps, capture_lps = torch.zeros(compared), torch.zeros(compared)
     with (atomic_file(out) if out is not None else contextlib.nullcontext()) as f:
         sink = MaskSink(f, count, vocab, job.carried, job.outside, metadata, job.compare) if out is not None \
             else MemorySink(job.carried, job.outside, metadata, job.compare)
