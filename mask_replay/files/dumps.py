@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import re
+import tempfile
 import zipfile
 from typing import Optional
 
@@ -78,6 +79,7 @@ class Dump:
         self._zip = None  # .npz: members read lazily, row ranges through a seekable member stream
         self._npy = {}  # key -> (ZipInfo, numpy dtype, fortran order, offset of the data in the member)
         self._open_members = {}
+        self._row_major = {}  # .npz Fortran-ordered member -> (temp file, its C-ordered np.memmap)
         self._map = None  # safetensors: private map for get(..., stream=True)
         self._mapped = {}  # key -> byte range of the last chunk handed out from the map
         self._tensors = None  # .pt: dict of tensors
@@ -150,6 +152,10 @@ class Dump:
         info, dtype, fortran, offset = self._npy[key]
         shape = self._shapes[key]
         rows = not (start is None and stop is None) and len(shape) > 0
+        if fortran and rows and len(shape) >= 2:
+            mm = self._row_major_copy(key)
+            lo, hi = max(0, start), max(min(shape[0], stop), max(0, start))
+            return torch.from_numpy(np.array(mm[lo:hi], order="C"))
         # a Fortran-ordered member has no contiguous rows: read whole (numpy never writes one unasked)
         lo, hi = (max(0, start), max(min(shape[0], stop), max(0, start))) if rows and not fortran \
             else (0, shape[0] if shape else 1)
@@ -168,6 +174,36 @@ class Dump:
         else:
             a = a.reshape((hi - lo,) + tuple(shape[1:]) if shape else ())
         return torch.from_numpy(np.array(a, dtype=dtype.newbyteorder("="), order="C"))
+
+    def _row_major_copy(self, key) -> np.ndarray:
+        """A Fortran-ordered member's rows are spread over the whole member (column after column):
+        read per chunk, every chunk would inflate the member again. It is copied once, column by
+        column in one forward pass, into a row-major temp file mapped from disk (page cache, not
+        anonymous memory); chunks are then rows of that map."""
+        if key in self._row_major:
+            return self._row_major[key][1]
+        info, dtype, _, offset = self._npy[key]
+        shape = self._shapes[key]
+        native = dtype.newbyteorder("=")
+        tmp = tempfile.TemporaryFile(prefix="mask-replay-npz-")
+        try:
+            tmp.truncate(max(1, math.prod(shape) * native.itemsize))
+            mm = np.memmap(tmp, dtype=native, mode="r+", shape=shape, order="C")
+            column = shape[0]
+            flat = mm.reshape(shape[0], -1)  # Fortran order: the first index runs fastest
+            with self._zip.open(info) as f:
+                f.seek(offset)
+                for j in range(flat.shape[1]):
+                    raw = f.read(column * dtype.itemsize)
+                    if len(raw) != column * dtype.itemsize:
+                        raise OSError(f"member ends {column * dtype.itemsize - len(raw)} bytes early")
+                    flat[:, _fortran_column(j, shape)] = np.frombuffer(raw, dtype=dtype)
+            mm.flush()
+        except BaseException:
+            tmp.close()
+            raise
+        self._row_major[key] = (tmp, mm)
+        return mm
 
     # ---- access ------------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -246,6 +282,9 @@ class Dump:
             os.close(self._fd)
         for f in self._open_members.values():
             f.close()
+        for tmp, _ in self._row_major.values():
+            tmp.close()
+        self._row_major = {}
         if self._zip is not None:
             self._zip.close()
         self._fd = self._header = self._zip = self._tensors = self._map = None
@@ -298,6 +337,20 @@ class Dump:
             ok = ok + INT_DTYPES  # e.g. temperature stored as an integer 1
         if dt not in ok:
             raise self.err(key, f"must be {'an integer' if kind == 'int' else 'a float'} dtype, got {_dtname(dt)}")
+
+
+def _fortran_column(j: int, shape: tuple) -> int:
+    """The C-order column (of the trailing dimensions flattened) of the j-th Fortran-order column:
+    Fortran order lists the trailing indices with the second dimension fastest."""
+    rest = shape[1:]
+    idx, c = [], j
+    for size in rest:  # Fortran: the earliest trailing dimension varies fastest
+        idx.append(c % size)
+        c //= size
+    flat = 0
+    for size, i in zip(rest, idx):  # C: the last dimension varies fastest
+        flat = flat * size + i
+    return flat
 
 
 def check_sampled(dump: Dump, sampled: torch.Tensor, vocab: int, row0: int) -> None:
