@@ -71,3 +71,9 @@ def test_an_error_about_a_path_with_a_newline_is_one_line(tmp_path):
     path = write(tmp_path / "bad\nname.safetensors", {"logits": torch.zeros(2, 3)})
     result = run("capture", path, "-o", tmp_path / "m.safetensors")
     assert_one_line_error(result, "bad\\nname.safetensors", "sampled")
+
+
+def test_demo_with_few_tokens_per_step_runs(tmp_path):
+    result = run("demo", "--out", tmp_path / "d", "--tokens-per-step", "4", "--steps", "2", "--vocab", "64")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "d" / "score.json").is_file()
