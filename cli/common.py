@@ -1,8 +1,10 @@
 """What every command shares: one-line errors, option settings, terminal output."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import signal
 import sys
 
 import click
@@ -19,7 +21,45 @@ class CliError(click.ClickException):
     """Printed as a single line 'mask-replay: error: ...' on stderr; exit status 1."""
 
     def show(self, file=None):
-        click.echo(f"mask-replay: error: {self.format_message()}", err=True)
+        click.echo(f"mask-replay: error: {one_line(self.format_message())}", err=True)
+
+
+def one_line(text: str) -> str:
+    """An error line stays one line whatever a path or key in it holds: control characters (a newline
+    in a file name) are written as escapes, the rest of the text as it is."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
+class Terminated(BaseException):
+    """A termination signal (a scheduler's time-out, `timeout`, `docker stop`, a closed terminal):
+    raised where the command is, so that its atomic outputs unwind and remove their temp files."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# SIGTERM and SIGHUP end a command as Ctrl-C does: cleanly, with one line and exit status 128 + N.
+TERMINATION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _raise_terminated(signum, _frame):
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminate_cleanly():
+    """While the command runs, a termination signal unwinds it (Terminated) instead of killing it
+    mid-write. Only in the main thread (signal handlers can be set only there); restored after."""
+    try:
+        previous = {s: signal.signal(s, _raise_terminated) for s in TERMINATION_SIGNALS}
+    except ValueError:  # not the main thread (e.g. the command invoked from a test's worker thread)
+        previous = {}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 class Group(click.Group):
@@ -32,7 +72,10 @@ class Group(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with terminate_cleanly():
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except Terminated as exc:
+            fail(f"terminated by {signal.Signals(exc.signum).name} (unfinished outputs removed)", 128 + exc.signum)
         except click.UsageError as exc:
             fail(_usage_line(exc), 2)
         except click.ClickException as exc:
@@ -52,7 +95,7 @@ def _usage_line(exc: click.UsageError) -> str:
 
 
 def fail(message: str, code: int):
-    click.echo(f"mask-replay: error: {message}", err=True)
+    click.echo(f"mask-replay: error: {one_line(message)}", err=True)
     sys.exit(code)
 
 
@@ -64,8 +107,8 @@ def one_line_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except DumpError as exc:
-            raise CliError(str(exc).splitlines()[0]) from exc
+        except DumpError as exc:  # one line by design: a newline in it is a path's or a key's
+            raise CliError(str(exc)) from exc
         except OSError as exc:  # disk full, permission lost mid-write, ...
             name = f"{exc.filename}: " if exc.filename else ""
             raise CliError(f"{name}{exc.strerror or exc}") from exc
@@ -74,7 +117,9 @@ def one_line_errors(fn):
 
 
 def console(err: bool = False):
-    return Console(file=sys.stderr if err else sys.stdout, highlight=False)
+    """The terminal, printing text as it is: file names, keys and metadata are the user's, and rich
+    markup ("[red]", "[/INST]") or emoji codes (":x:") in them must neither raise nor vanish."""
+    return Console(file=sys.stderr if err else sys.stdout, highlight=False, markup=False, emoji=False)
 
 
 def fmt(x) -> str:

@@ -5,6 +5,7 @@ import click
 
 from mask_replay.cli.common import (
     CONTEXT,
+    CliError,
     check_sampling_flags,
     console,
     fmt,
@@ -12,6 +13,9 @@ from mask_replay.cli.common import (
 )
 from mask_replay.cli.tables import print_report, print_summary
 from mask_replay.tools.demo import DemoConfig, run_demo
+
+# The demo builds each step's [tokens, vocab] float32 logits in memory (and its trainer's copy).
+DEMO_MAX_STEP_ELEMENTS = 1 << 30
 
 
 @click.command(context_settings=CONTEXT)
@@ -22,7 +26,7 @@ from mask_replay.tools.demo import DemoConfig, run_demo
 @click.option("--tokens-per-step", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--top-p", type=float, default=0.9, show_default=True, help="Top-p in (0, 1].")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="Temperature > 0.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0, max=2 ** 63 - 1), default=0, show_default=True)
 @one_line_errors
 def demo(out, vocab, steps, tokens_per_step, top_p, temperature, seed):
     """Generate a synthetic RL run (LLM-like logits, a drifting policy, top-p sampling in fp32, a
@@ -30,6 +34,12 @@ def demo(out, vocab, steps, tokens_per_step, top_p, temperature, seed):
     plot it. Nothing is downloaded."""
 
     check_sampling_flags(temperature, None, top_p, None, greedy_ok=False)
+    if vocab >= 2 ** 31:
+        raise CliError(f"--vocab {vocab}: token ids are int32, the vocabulary must be below 2^31")
+    if tokens_per_step * vocab > DEMO_MAX_STEP_ELEMENTS:
+        raise CliError(f"--tokens-per-step {tokens_per_step} x --vocab {vocab}: a step's logits would take "
+                       f"{4 * tokens_per_step * vocab / 2 ** 30:.3g} GiB (the demo holds them in memory; "
+                       f"at most {DEMO_MAX_STEP_ELEMENTS * 4 // 2 ** 30} GiB)")
 
     cfg = DemoConfig(vocab=vocab, steps=steps, tokens_per_step=tokens_per_step, seed=seed,
                      temperature=temperature, top_p=top_p)

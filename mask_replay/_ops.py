@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from mask_replay.params import compute_dtype
 
@@ -56,6 +57,69 @@ REPLAYED, FELL_BACK_OUTSIDE, FELL_BACK_EMPTY = 0, 1, 2
 
 def _out_dtype(t: torch.Tensor) -> torch.dtype:
     return compute_dtype(t.dtype)
+
+
+# ---- derivatives the ops do not have ------------------------------------------------------------------
+# The ops have first derivatives only. Without the registrations below, torch would differentiate a
+# backward op as a constant (a Hessian-vector product of exactly 0) and give a forward-mode AD output no
+# tangent: silent wrong answers. Both are refused by name instead.
+def higher_order_error(op: str, api: str) -> NotImplementedError:
+    """The error of a derivative `op` does not have: kind "double backward" or "forward-mode AD"."""
+    if api == "double backward":
+        what = ("double backward (differentiating the gradient it returns, e.g. a Hessian-vector product after "
+                "create_graph=True) is not supported")
+    else:
+        what = "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not supported"
+    return NotImplementedError(f"{op}: {what}; only first-order reverse-mode gradients are defined")
+
+
+def reject_forward_ad(op: str, *tensors) -> None:
+    """Raise when an input carries a forward-mode tangent (a dual tensor): the op has no JVP formula."""
+    if torch.compiler.is_compiling():  # forward AD is not traced by torch.compile; nothing to look at
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise higher_order_error(op, "forward-mode AD")
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on the gradients a Python backward computed, made to depend on the tensors they were
+    computed from; differentiating them raises. (once_differentiable's error node has no edges to the
+    inputs, so torch.autograd.grad(..., allow_unused=True) returns None there instead of raising.)"""
+
+    @staticmethod
+    def forward(ctx, op, count, *tensors):
+        ctx.op = op
+        return tuple(t.clone() for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise higher_order_error(ctx.op, "double backward")
+
+
+def refuse_double_backward(op: str, grads: tuple, *depends_on) -> tuple:
+    """A Python backward's results, unchanged when it runs without create_graph; under create_graph=True
+    the same values, whose own gradient raises naming `op`."""
+    if not torch.is_grad_enabled():
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    inputs = [t for t in depends_on if isinstance(t, torch.Tensor)]
+    wrapped = _NoDoubleBackward.apply(op, len(present), *(grads[i] for i in present), *inputs)
+    out = list(grads)
+    for i, g in zip(present, wrapped):
+        out[i] = g
+    return tuple(out)
+
+
+def _refuse_double_backward(backward_op: str, op: str) -> None:
+    """The backward op gets an autograd formula that raises, naming the forward op it differentiates."""
+    def backward(ctx, *grads):
+        raise higher_order_error(f"mask_replay::{op}", "double backward")
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    torch.library.register_autograd(f"mask_replay::{backward_op}", backward, setup_context=setup_context)
 
 
 # ---- capture --------------------------------------------------------------------------------------
@@ -105,6 +169,9 @@ def _replay_backward(ctx, grad_logp, _grad_lse, _grad_status):
 torch.library.register_autograd("mask_replay::replay_fwd", _replay_backward, setup_context=_replay_setup)
 
 
+_refuse_double_backward("replay_bwd", "replay_fwd")
+
+
 @torch.library.register_fake("mask_replay::replay_bwd")
 def _replay_bwd_fake(grad, logits, token_ids, offsets, sampled, temperature, lse, status):
     return logits.new_empty(logits.shape)
@@ -129,6 +196,9 @@ def _full_backward(ctx, grad_logp, _grad_lse):
 
 
 torch.library.register_autograd("mask_replay::full_fwd", _full_backward, setup_context=_full_setup)
+
+
+_refuse_double_backward("full_bwd", "full_fwd")
 
 
 @torch.library.register_fake("mask_replay::full_bwd")
@@ -164,6 +234,9 @@ def _hidden_backward(ctx, grad_logp, _grad_lse, _grad_status):
 
 
 torch.library.register_autograd("mask_replay::hidden_fwd", _hidden_backward, setup_context=_hidden_setup)
+
+
+_refuse_double_backward("hidden_bwd", "hidden_fwd")
 
 
 @torch.library.register_fake("mask_replay::hidden_bwd")

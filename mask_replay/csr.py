@@ -31,6 +31,39 @@ def check_offsets(offsets: torch.Tensor, nnz: int, *, source: str) -> None:
         raise MaskFormatError(f"offsets[-1] = {int(o[-1])} but token_ids has {nnz} entries", file=source)
 
 
+# A log-prob can pass 0 by rounding (an engine working in bfloat16: half an ulp at 1 is 2^-9), a kept
+# mass can pass 1 (float32); beyond these margins the value cannot be one (a log-prob > 0 is a
+# probability > 1).
+LOGPROB_MARGIN = 1e-2
+KEPT_MASS_MARGIN = 1e-4
+
+
+def impossible_values(name: str, values: torch.Tensor) -> Optional[tuple[int, str]]:
+    """(first row, what must hold) where a per-row value cannot be right, or None. logprobs: <= 0,
+    NaN allowed (a row with no log-prob), -inf allowed; kept_mass: in [0, 1], NaN allowed."""
+    v = values.detach().cpu().double()
+    if name in ("logprobs", "capture_logprobs"):
+        bad, rule = v > LOGPROB_MARGIN, "a log-prob must be <= 0"
+    elif name == "kept_mass":
+        bad, rule = (v < 0) | (v > 1 + KEPT_MASS_MARGIN), "a kept mass must lie in [0, 1]"
+    else:
+        return None
+    hit = torch.nonzero(bad)
+    return (int(hit[0]), rule) if hit.numel() else None
+
+
+def check_row_values(values: dict, *, source: str, row_offset: int = 0) -> None:
+    """MaskFormatError naming the first row whose logprobs / kept_mass cannot be right."""
+    for name, v in values.items():
+        if v is None:
+            continue
+        found = impossible_values(name, v)
+        if found is not None:
+            r, rule = found
+            raise MaskFormatError(f"row {{row}} has {name} {float(v[r].item()):.6g}: {rule}", file=source,
+                                  key=name, row=r + row_offset)
+
+
 def row_of_entry(entry: int, offsets: torch.Tensor) -> int:
     """The row holding entry `entry` of token_ids (offsets on the CPU)."""
     return int(torch.searchsorted(offsets, torch.tensor(entry), right=True)) - 1

@@ -94,6 +94,7 @@ class SamplingMask:
         for name, v in self.extras.items():
             if v.dim() != 1 or v.numel() != n:
                 raise MaskFormatError(f"{name} must have shape [{n}], got {tuple(v.shape)}", file=source)
+        csr.check_row_values({"logprobs": self.logprobs, "kept_mass": self.kept_mass}, source=source)
         if self.sampled is not None and self.sampled.numel() and vocab_size is not None:
             s = self.sampled.cpu()
             bad = torch.nonzero((s < 0) | (s >= vocab_size))

@@ -52,9 +52,16 @@ _F32_TO_ZERO = 2.0 ** -150
 _F32_TO_INF = 3.4028235677973366e38
 
 
+# Below the smallest normal float32 a value is subnormal: it keeps few significant bits, and a
+# temperature there makes every logit / T overflow to inf (a capture or score of nothing but NaN).
+_F32_SMALLEST_NORMAL = 2.0 ** -126
+
+
 def _float32_problem(v: float) -> Optional[str]:
     if 0 < abs(v) <= _F32_TO_ZERO:
         return "rounds to 0"
+    if 0 < abs(v) < _F32_SMALLEST_NORMAL:
+        return f"is subnormal (below {_F32_SMALLEST_NORMAL:.3g})"
     if math.isfinite(v) and abs(v) >= _F32_TO_INF:
         return "overflows"
     return None
@@ -70,7 +77,7 @@ def _check_float32(name: str, value, dtype: torch.dtype, converted: Optional[tor
             return
         o = value.detach().to("cpu", torch.float64)
         c = converted.detach().cpu()
-        bad = torch.nonzero(((o != 0) & (c == 0)) | (torch.isfinite(o) & torch.isinf(c)))
+        bad = torch.nonzero(((o != 0) & (c.abs() < _F32_SMALLEST_NORMAL)) | (torch.isfinite(o) & torch.isinf(c)))
         if bad.numel():
             r = int(bad[0])
             raise ValueError(f"{name} {float(o[r]):g} (row {r}) {_float32_problem(float(o[r]))} in float32")

@@ -12,9 +12,11 @@ The formats are described in docs/formats.md.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
+import tempfile
 import zipfile
 from typing import Optional
 
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from mask_replay.errors import DumpError
-from mask_replay.files.safetensors_stream import Header, pread_rows
+from mask_replay.files.safetensors_stream import Header, checked_shape, pread_rows
 from mask_replay.params import FLOAT_DTYPES, INT_DTYPES
 
 # Optional per-row keys of a rollout dump and what they must hold.
@@ -31,17 +33,28 @@ from mask_replay.params import FLOAT_DTYPES, INT_DTYPES
 # per token), so that flat rows at top-p .95 stay within budget too (measured: 0.66 GB peak anonymous
 # memory for 6 and 12 GB dumps, benchmarks/bench_memory.py).
 DEFAULT_CHUNK_BYTES = 256 << 20
+# What a row of a chunk costs besides its `vocab` entries, whatever V: the per-row buffers of capture
+# and score (sampled, offsets, the four sampling parameters expanded per row, replay's log-prob, lse
+# and status, kept mass, the mask's per-row extras and their conversions for the file, the profiles'
+# per-row switches), about 40 values of up to 8 bytes, rounded up. Without it a small vocabulary
+# made chunks of millions of rows whose per-row buffers, not their logits, filled memory (V = 2: a
+# 128 MB dump peaked at 1.1 GB).
+PER_ROW_BYTES = 384
 
 
 def default_chunk_rows(vocab: int, bytes_per_entry: int) -> int:
-    """Rows per chunk: DEFAULT_CHUNK_BYTES over the bytes a row of `vocab` entries takes."""
-    return max(1, DEFAULT_CHUNK_BYTES // max(1, vocab * bytes_per_entry))
+    """Rows per chunk: DEFAULT_CHUNK_BYTES over the bytes a row takes, its `vocab` entries of
+    `bytes_per_entry` and its per-row buffers (PER_ROW_BYTES) together."""
+    return max(1, DEFAULT_CHUNK_BYTES // (max(0, vocab) * max(0, bytes_per_entry) + PER_ROW_BYTES))
 
 
 PARAM_KEYS = ("temperature", "top_k", "top_p", "min_p")
 _PER_ROW_KINDS = {
     "temperature": "float", "top_k": "int", "top_p": "float", "min_p": "float",
     "rollout_logprobs": "float", "step": "int", "sequence": "int",
+    # the engine batch (rows sampled in one engine step) of each row: batch-wide choices of the engine
+    # profiles are made per batch; without it a dump is one batch (docs/formats.md)
+    "batch": "int",
 }
 # Keys that may be 0-dim (one value for all rows); the others must be [N].
 _SCALAR_OK = set(PARAM_KEYS)
@@ -66,6 +79,7 @@ class Dump:
         self._zip = None  # .npz: members read lazily, row ranges through a seekable member stream
         self._npy = {}  # key -> (ZipInfo, numpy dtype, fortran order, offset of the data in the member)
         self._open_members = {}
+        self._row_major = {}  # .npz Fortran-ordered member -> (temp file, its C-ordered np.memmap)
         self._map = None  # safetensors: private map for get(..., stream=True)
         self._mapped = {}  # key -> byte range of the last chunk handed out from the map
         self._tensors = None  # .pt: dict of tensors
@@ -99,6 +113,10 @@ class Dump:
         obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
             raise DumpError(f"{self.path}: a .pt dump must hold a dict of tensors, got {type(obj).__name__}")
+        for k, v in obj.items():  # what torch.load can rebuild but no reader can read rows from
+            if v.device.type != "cpu" or v.layout != torch.strided or v.is_quantized:
+                what = "a meta tensor (no data)" if v.is_meta else f"a {v.layout} {v.device.type} tensor"
+                raise DumpError(f"key '{k}': {what}; a dump holds dense tensors with their data", file=self.path)
         self._tensors = {str(k): v for k, v in obj.items()}
         self._shapes = {k: tuple(v.shape) for k, v in self._tensors.items()}
         self._dtypes = {k: v.dtype for k, v in self._tensors.items()}
@@ -127,7 +145,7 @@ class Dump:
             if dtype.hasobject:
                 raise DumpError(f"{self.path}: key '{key}': holds Python objects (pickles are not read)")
             self._npy[key] = (info, dtype, fortran, offset)
-            self._shapes[key] = tuple(shape)
+            self._shapes[key] = checked_shape(tuple(int(s) for s in shape), f"{self.path}: key '{key}'")
             # numpy has no bfloat16: such dumps must use safetensors or .pt
             self._dtypes[key] = torch.from_numpy(np.zeros(0, dtype=dtype.newbyteorder("="))).dtype
 
@@ -135,10 +153,14 @@ class Dump:
         info, dtype, fortran, offset = self._npy[key]
         shape = self._shapes[key]
         rows = not (start is None and stop is None) and len(shape) > 0
+        if fortran and rows and len(shape) >= 2:
+            mm = self._row_major_copy(key)
+            lo, hi = max(0, start), max(min(shape[0], stop), max(0, start))
+            return torch.from_numpy(np.array(mm[lo:hi], order="C"))
         # a Fortran-ordered member has no contiguous rows: read whole (numpy never writes one unasked)
         lo, hi = (max(0, start), max(min(shape[0], stop), max(0, start))) if rows and not fortran \
             else (0, shape[0] if shape else 1)
-        row_items = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        row_items = math.prod(shape[1:]) if shape else 1
         f = self._open_members.get(key)
         if f is None:  # kept open: chunks read in order continue where the last one stopped
             f = self._open_members[key] = self._zip.open(info)
@@ -153,6 +175,36 @@ class Dump:
         else:
             a = a.reshape((hi - lo,) + tuple(shape[1:]) if shape else ())
         return torch.from_numpy(np.array(a, dtype=dtype.newbyteorder("="), order="C"))
+
+    def _row_major_copy(self, key) -> np.ndarray:
+        """A Fortran-ordered member's rows are spread over the whole member (column after column):
+        read per chunk, every chunk would inflate the member again. It is copied once, column by
+        column in one forward pass, into a row-major temp file mapped from disk (page cache, not
+        anonymous memory); chunks are then rows of that map."""
+        if key in self._row_major:
+            return self._row_major[key][1]
+        info, dtype, _, offset = self._npy[key]
+        shape = self._shapes[key]
+        native = dtype.newbyteorder("=")
+        tmp = tempfile.TemporaryFile(prefix="mask-replay-npz-")
+        try:
+            tmp.truncate(max(1, math.prod(shape) * native.itemsize))
+            mm = np.memmap(tmp, dtype=native, mode="r+", shape=shape, order="C")
+            column = shape[0]
+            flat = mm.reshape(shape[0], -1)  # Fortran order: the first index runs fastest
+            with self._zip.open(info) as f:
+                f.seek(offset)
+                for j in range(flat.shape[1]):
+                    raw = f.read(column * dtype.itemsize)
+                    if len(raw) != column * dtype.itemsize:
+                        raise OSError(f"member ends {column * dtype.itemsize - len(raw)} bytes early")
+                    flat[:, _fortran_column(j, shape)] = np.frombuffer(raw, dtype=dtype)
+            mm.flush()
+        except BaseException:
+            tmp.close()
+            raise
+        self._row_major[key] = (tmp, mm)
+        return mm
 
     # ---- access ------------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -170,7 +222,7 @@ class Dump:
     def nbytes(self, key) -> int:
         dt = self._dtypes[key]
         size = torch.empty(0, dtype=dt).element_size() if isinstance(dt, torch.dtype) else 0
-        return int(np.prod(self._shapes[key], dtype=np.int64)) * size
+        return math.prod(self._shapes[key]) * size
 
     def get(self, key, start: Optional[int] = None, stop: Optional[int] = None, *,
             stream: bool = False) -> torch.Tensor:
@@ -201,7 +253,7 @@ class Dump:
         dtype, shape, begin, _ = self._header.tensors[key]
         lo, hi = max(0, start), max(min(shape[0], stop), max(0, start))
         item = torch.empty(0, dtype=dtype).element_size()
-        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * item
+        row_bytes = math.prod(shape[1:]) * item
         a = self._header.data_start + begin + lo * row_bytes
         self._release(key)
         self._mapped[key] = (a, (hi - lo) * row_bytes)
@@ -232,6 +284,9 @@ class Dump:
             os.close(self._fd)
         for f in self._open_members.values():
             f.close()
+        for tmp, _ in self._row_major.values():
+            tmp.close()
+        self._row_major = {}
         if self._zip is not None:
             self._zip.close()
         self._fd = self._header = self._zip = self._tensors = self._map = None
@@ -284,6 +339,20 @@ class Dump:
             ok = ok + INT_DTYPES  # e.g. temperature stored as an integer 1
         if dt not in ok:
             raise self.err(key, f"must be {'an integer' if kind == 'int' else 'a float'} dtype, got {_dtname(dt)}")
+
+
+def _fortran_column(j: int, shape: tuple) -> int:
+    """The C-order column (of the trailing dimensions flattened) of the j-th Fortran-order column:
+    Fortran order lists the trailing indices with the second dimension fastest."""
+    rest = shape[1:]
+    idx, c = [], j
+    for size in rest:  # Fortran: the earliest trailing dimension varies fastest
+        idx.append(c % size)
+        c //= size
+    flat = 0
+    for size, i in zip(rest, idx):  # C: the last dimension varies fastest
+        flat = flat * size + i
+    return flat
 
 
 def check_sampled(dump: Dump, sampled: torch.Tensor, vocab: int, row0: int) -> None:

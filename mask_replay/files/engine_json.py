@@ -23,6 +23,8 @@ def read_engine_json(path) -> list:
     try:
         doc = json.loads(text)
         items = doc if isinstance(doc, list) else [doc]
+    except RecursionError:  # no engine response nests this deep (Python's parser gives up first)
+        raise DumpError(f"{path}: JSON nested too deeply to be an engine response") from None
     except json.JSONDecodeError as whole:
         items = []
         lines = text.splitlines()
@@ -33,6 +35,8 @@ def read_engine_json(path) -> list:
                 continue
             try:
                 doc = json.loads(line)
+            except RecursionError:
+                raise DumpError(f"{path}: line {i}: JSON nested too deeply to be an engine response") from None
             except json.JSONDecodeError as exc:
                 raise DumpError(f"{path}: line {i}: not valid JSON ({exc.msg})") from exc
             items.extend(doc if isinstance(doc, list) else [doc])

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from mask_replay.csr import check_offsets
+from mask_replay.csr import check_offsets, check_row_values
 from mask_replay.errors import MaskFormatError
 from mask_replay.files.dumps import Dump
 from mask_replay.files.safetensors_stream import StreamWriter
@@ -64,6 +64,8 @@ class MaskFile:
         self.logprobs = named.get("logprobs")
         self.kept_mass = named.get("kept_mass")
         self.extras = per_row
+        check_row_values({"logprobs": self.logprobs, "kept_mass": self.kept_mass,
+                          "capture_logprobs": per_row.get("capture_logprobs")}, source=path)
         self.metadata = dict(self._dump.metadata)
 
     def rows(self, a: int, b: int, vocab_size: int) -> SamplingMask:

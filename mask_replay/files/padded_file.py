@@ -12,6 +12,10 @@ from mask_replay.files.safetensors_stream import read_all, save
 from mask_replay.mask import SamplingMask
 from mask_replay.sampler.adapters.padded import mask_from_padded, to_padded
 
+# Names a padded file's other tensors cannot have: the mask file's CSR keys, and mask_from_padded's own
+# arguments (a tensor named `source` or `vocab_size` would be taken as one).
+RESERVED_KEYS = ("token_ids", "offsets", "ids", "counts", "strict_padding", "vocab_size", "source", "metadata")
+
 
 def save_padded(mask: SamplingMask, path, width: Optional[int] = None) -> None:
     """Atomic write; a row wider than `width` is a ValueError naming the row."""
@@ -33,4 +37,9 @@ def load_padded(path) -> SamplingMask:
             raise DumpError(f"{path}: missing key '{key}' (is this a padded mask file?)")
     ids, counts = tensors.pop("ids"), tensors.pop("counts")
     meta.pop("layout", None)
-    return mask_from_padded(ids, counts, source=path, metadata=meta, **tensors)
+    for key in tensors:
+        if key in RESERVED_KEYS:  # would pass as an argument, or write a mask whose CSR keys clash
+            raise DumpError(f"key '{key}' is not a per-row tensor a padded mask file may hold (reserved name)",
+                            file=path)
+    mask = mask_from_padded(ids, counts, source=path, metadata=meta, **tensors)
+    return mask.validate(source=path)

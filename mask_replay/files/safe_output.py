@@ -66,11 +66,7 @@ def atomic_output(path):
     folder = os.path.dirname(real)
     if not os.path.isdir(folder):
         raise DumpError(f"{path}: output folder {folder} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(real) + ".", suffix=".tmp", dir=folder)
-    except OSError as exc:
-        raise DumpError(f"{path}: cannot write here ({exc.strerror})") from exc
-    os.close(fd)
+    tmp = _temp_beside(path, real)
     try:
         with _named_errors(path):
             yield tmp
@@ -125,6 +121,31 @@ def write_text(path, text: str) -> None:
             f.write(text)
 
 
+# mkstemp's random part and our suffix: ".<name>.XXXXXXXX.tmp"
+_TEMP_EXTRA = len(".") + len(".") + 8 + len(".tmp")
+
+
+def _name_max(folder: str) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _temp_beside(path: str, real: str) -> str:
+    """A new empty temp file in the target's folder, hidden and named after the target; the name is
+    shortened so that a target whose own name is legal (up to NAME_MAX bytes) always gets one."""
+    folder, name = os.path.split(real)
+    room = _name_max(folder) - _TEMP_EXTRA
+    stem = os.fsencode(name)[:max(room, 1)].decode(errors="ignore") or "out"
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="." + stem + ".", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot write here ({exc.strerror})") from exc
+    os.close(fd)
+    return tmp
+
+
 def check_writable(path) -> None:
     """Fail early (before hours of work) when `path` cannot be created: no folder, no permission,
     or a folder in its place. atomic_output still guards the final write."""
@@ -141,6 +162,13 @@ def check_writable(path) -> None:
         raise DumpError(f"{path}: output folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise DumpError(f"{path}: cannot write in {folder} (permission denied)")
+    name = os.path.basename(real)
+    if len(os.fsencode(name)) > _name_max(folder):
+        raise DumpError(f"{path}: the file name is longer than {_name_max(folder)} bytes, the most this file system "
+                        "allows")
+    # the one sure test (read-only mount, quota, a name the file system refuses): create the temp
+    # file the write will use, and remove it
+    os.unlink(_temp_beside(path, real))
 
 
 def check_distinct(inputs: list, outputs: list) -> None:

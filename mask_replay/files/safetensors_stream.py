@@ -25,12 +25,12 @@ chunk's pages after use: a plain map grows the resident set one-for-one with the
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tempfile
 from typing import Optional
 
-import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -49,6 +49,28 @@ SPOOL_BLOCK = 8 << 20  # bytes per copy step of a spooled tensor into the file
 
 def _size(dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
+# The most elements a tensor of a file may declare (2^48: no disk holds more bytes). Shapes are checked
+# and multiplied as Python integers: numpy's int64 product wraps silently (a [8, 2^61] tensor "holds 0
+# bytes") and a later torch call dies on the size.
+MAX_ELEMENTS = 1 << 48
+
+
+def is_count(x) -> bool:
+    """A non-negative integer as JSON gives it (not a bool, not a float such as 1e30 or 2.5)."""
+    return type(x) is int and x >= 0
+
+
+def checked_shape(shape, where: str) -> tuple:
+    """`shape` as a tuple of ints, each dimension and every product of trailing dimensions (a row) at
+    most MAX_ELEMENTS; DumpError naming `where` otherwise."""
+    if not isinstance(shape, (list, tuple)) or not all(is_count(s) for s in shape):
+        raise DumpError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    count = 1
+    for s in reversed(shape):  # every row size (a product of trailing dimensions) stays bounded too
+        count *= s
+        if s > MAX_ELEMENTS or count > MAX_ELEMENTS:
+            raise DumpError(f"{where}: shape {list(shape)} declares more than 2^48 elements")
+    return tuple(shape)
 
 
 def _code(dtype) -> str:
@@ -105,7 +127,7 @@ class StreamWriter:
         self._place = {}
         pos = 0
         for name, (dtype, shape) in self.head:
-            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             self._place[name] = (dtype, tuple(shape), pos, pos + nbytes)
             pos += nbytes
         self._grow_start = pos
@@ -131,7 +153,7 @@ class StreamWriter:
             pos = end
         for name in sorted(tail, key=lambda n: (-torch.empty(0, dtype=tail[n][0]).element_size(), n)):
             dtype, shape = tail[name]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             entries.append((name, dtype, tuple(shape), pos, pos + nbytes))
             pos += nbytes
         return entries
@@ -145,7 +167,7 @@ class StreamWriter:
         """Rows [row0, row0 + len(t)) of head tensor `name`."""
         dtype, shape, start, end = self._place[name]
         t = t.to(dtype)
-        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * t.element_size()
+        row_bytes = math.prod(shape[1:]) * t.element_size()
         pos = start + row0 * row_bytes
         if pos + t.numel() * t.element_size() > end:
             raise ValueError(f"safetensors: rows {row0}.. of '{name}' overflow its shape {list(shape)}")
@@ -245,18 +267,28 @@ class Header:
         if not isinstance(h, dict):
             raise DumpError(f"{path}: safetensors header is not a JSON object")
         self.metadata = h.pop("__metadata__", None) or {}
+        # as the reference reader: metadata is a map of strings to strings
+        if not isinstance(self.metadata, dict):
+            raise DumpError(f"{path}: safetensors header __metadata__ is a JSON {type(self.metadata).__name__}, "
+                            "expected an object of strings")
+        for k, v in self.metadata.items():
+            if not isinstance(v, str):
+                raise DumpError(f"{path}: safetensors header __metadata__ '{k}' is a JSON {type(v).__name__}, "
+                                "expected a string")
         self.data_start = 8 + n
         self.tensors = {}
         spans = []
         for name, e in h.items():
             try:
                 dtype = CODE_DTYPES[e["dtype"]]
-                shape = tuple(int(s) for s in e["shape"])
-                start, end = (int(x) for x in e["data_offsets"])
+                offsets = e["data_offsets"]
+                if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_count(x) for x in offsets):
+                    raise ValueError("data_offsets")
+                start, end = offsets
             except (KeyError, TypeError, ValueError) as exc:
                 raise DumpError(f"{path}: key '{name}': malformed safetensors header entry") from exc
-            count = int(np.prod(shape, dtype=np.int64))
-            if min(shape, default=0) < 0 or end - start != count * torch.empty(0, dtype=dtype).element_size():
+            shape = checked_shape(e.get("shape"), f"{path}: key '{name}'")
+            if end - start != math.prod(shape) * torch.empty(0, dtype=dtype).element_size():
                 raise DumpError(f"{path}: key '{name}': byte range does not match shape {list(shape)}")
             self.tensors[name] = (dtype, shape, start, end)
             spans.append((start, end))
@@ -282,7 +314,7 @@ def pread_rows(fd: int, header: Header, name: str, start: Optional[int], stop: O
     out = torch.empty(out_shape, dtype=dtype)
     if out.numel() == 0:
         return out
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * out.element_size() if shape else out.element_size()
+    row_bytes = math.prod(shape[1:]) * out.element_size() if shape else out.element_size()
     buf = out.reshape(-1).view(torch.uint8).numpy()
     pos, done = header.data_start + begin + lo * row_bytes, 0
     while done < buf.size:

@@ -38,6 +38,7 @@ class StepLog:
         self._logprobs: list[torch.Tensor] = []  # float32 [B] per finished step
         self._kept: list[Optional[torch.Tensor]] = []
         self._prev: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (processed scores, logsumexp)
+        self._stopped: list[tuple[int, torch.Tensor]] = []  # (step, bool [B]) from the watched stopping criteria
 
     # ---- during generation --------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
@@ -73,6 +74,25 @@ class StepLog:
         self._prev = (processed, lse)
         self._kept.append(kept)
         self.steps += 1
+
+    def stopped(self, input_ids: torch.Tensor, done) -> None:
+        """A watched stopping criterion's verdict after the token of step input_ids.shape[1] - prompt - 1
+        was appended: rows it stops are finished there (generate pads them from then on)."""
+        if self.prompt_len is None:
+            return
+        step = int(input_ids.shape[1]) - self.prompt_len - 1
+        done = torch.as_tensor(done, dtype=torch.bool).reshape(-1).expand(self.batch)
+        self._stopped.append((step, done.detach()))
+
+    def _stop_steps(self, device) -> Optional[torch.Tensor]:
+        """The step at which each row was stopped by a watched criterion (int64 [B]; steps when never)."""
+        if not self._stopped:
+            return None
+        first = torch.full((self.batch,), self.steps, dtype=torch.int64, device=device)
+        for step, done in self._stopped:
+            hit = done.to(device)
+            first = torch.where(hit, torch.minimum(first, torch.full_like(first, step)), first)
+        return first
 
     # ---- after generation -------------------------------------------------------------------------
     def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -116,6 +136,11 @@ class StepLog:
             eos = torch.as_tensor(eos_token_id, device=generated.device).reshape(-1)
             is_eos = torch.isin(generated, eos).long()
             valid = (torch.cumsum(is_eos, 1) - is_eos) == 0  # up to and including the first EOS
+        stop = self._stop_steps(generated.device)
+        if stop is not None:
+            # A row stopped by a stopping criterion ends there too: generate pads it afterwards (or goes on
+            # sampling tokens no one trains on); its stopping token itself is kept, as an EOS is.
+            valid &= torch.arange(generated.shape[1], device=generated.device)[None, :] <= stop[:, None]
         seq, pos = torch.nonzero(valid, as_tuple=True)  # sequence-major, positions ascending
         seq, pos = seq.to(dev), pos.to(dev)
         rows = pos * self.batch + seq  # index into the step-major log

@@ -30,6 +30,9 @@ try:
         LogitsProcessor,
         LogitsProcessorList,
         MinPLogitsWarper,
+        StoppingCriteria,
+        StoppingCriteriaList,
+        StopStringCriteria,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
@@ -105,8 +108,27 @@ class _Reference(LogitsProcessor):
         return scores
 
 
+class _Watched(StoppingCriteria):
+    """A stopping criterion whose per-sequence verdicts the recorder sees: generate does not tell a
+    logits processor which sequences are finished, and a sequence stopped by a criterion (not by an
+    EOS) is padded from then on. Without this, the padding positions would be kept as sampled rows."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = self.inner(input_ids, scores, **kwargs)
+        self.log.stopped(input_ids, done)
+        return done
+
+
 class _Recording:
     """What MaskRecorder and SupportWarper share: the step log and mask()."""
+
+    def watch(self, stopping_criteria) -> StoppingCriteriaList:
+        """The caller's stopping criteria, wrapped so that a sequence one of them stops ends its rows
+        there (pass the result to model.generate as `stopping_criteria`; generate() does it itself)."""
+        return StoppingCriteriaList([_Watched(c, self._log) for c in (stopping_criteria or [])])
 
     temperature: Optional[float] = None
     eos_token_id = None
@@ -241,10 +263,15 @@ def generate(model, inputs, recorder: Union[MaskRecorder, SupportWarper, None] =
     else:
         raise TypeError(f"recorder must be a MaskRecorder or a SupportWarper, got {type(recorder).__name__}")
     user = list(kwargs.pop("logits_processor", None) or [])
+    criteria = list(kwargs.pop("stopping_criteria", None) or [])
+    if kwargs.get("stop_strings") is not None:  # built here so that its per-sequence stops are seen
+        if kwargs.get("tokenizer") is None:
+            raise ValueError("generate: stop_strings needs tokenizer=... (as model.generate does)")
+        criteria.append(StopStringCriteria(tokenizer=kwargs["tokenizer"], stop_strings=kwargs.pop("stop_strings")))
     recorder.reset()
     recorder.eos_token_id = _eos_of(model) if kwargs.get("eos_token_id") is None else kwargs["eos_token_id"]
     call = dict(kwargs, do_sample=True, return_dict_in_generate=True,
                 logits_processor=LogitsProcessorList(user + chain),
-                **WARPERS_OFF)
+                stopping_criteria=recorder.watch(criteria), **WARPERS_OFF)
     output = model.generate(**inputs, **call) if isinstance(inputs, Mapping) else model.generate(inputs, **call)
     return output, recorder.mask(output)

@@ -22,6 +22,8 @@ def capture(
     outside: str = "error",
     profile: str = "exact",
     entry_logprobs: bool = False,
+    batch: torch.Tensor | None = None,
+    switches: dict | None = None,
 ) -> SamplingMask:
     """Support of softmax(logits / T) after min-p, top-k and top-p, one CSR row per row of logits.
 
@@ -41,6 +43,13 @@ def capture(
     engine profile it is the engine's own float32 log_softmax of its processed logits. `logprobs` is
     then read from these entries (the sampled one, bit for bit); it differs from the kernel's value
     that capture gives without entry_logprobs by float32 rounding only (< 1e-6).
+
+    Engine batches (engine profiles only): where an engine makes a choice for a whole batch (vLLM runs
+    its top-p pass for every row once one row uses top-p; SGLang sorts or calls topk depending on all
+    rows' top-k), the batch is the rows the engine sampled in one step: `batch` [N] ids (rows with one
+    id form one batch), else every row of this call. `switches` instead gives each row's batch-wide
+    choices precomputed over whole batches (profiles.batch_switches), for callers that capture a
+    batch in pieces: the mask of a row never depends on which rows share its call.
     """
     if outside not in ("error", "flag"):
         raise ValueError(f"outside must be 'error' or 'flag', got {outside!r}")
@@ -57,7 +66,7 @@ def capture(
     else:
         token_ids, offsets, _, *rest = profiles.engine_support(
             logits, profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            entry_logprobs=entry_logprobs)
+            entry_logprobs=entry_logprobs, batch=batch, switches=switches)
         entries = rest[0] if entry_logprobs else None
     meta = {"semantics": profiles.semantics(profile), "vocab_size": v,
             "params": describe(temperature, top_k, top_p, min_p)}

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from mask_replay import errors
 from mask_replay.errors import DumpError, OutsideSupportError
 from mask_replay.files.dumps import PARAM_KEYS, Dump, check_finite, check_sampled, default_chunk_rows
+from mask_replay.files.identity import file_identity, source_names
 from mask_replay.files.mask_file import MaskSink, MemorySink
 from mask_replay.files.safe_output import atomic_file, check_distinct, check_writable
 from mask_replay.sampler import profiles
@@ -37,7 +38,7 @@ class CaptureSummary:
     rows: int
     nnz: int
     vocab: int
-    lengths: torch.Tensor  # int64 [rows], support size per row
+    lengths: torch.Tensor  # int32 [rows], support size per row (4 bytes a row for the whole run)
     bytes_read: int  # logits bytes
     bytes_written: int
     seconds: float
@@ -49,16 +50,21 @@ class CaptureSummary:
     def stats(self) -> dict:
         """Support-size statistics and throughput, JSON-able."""
         n = max(self.rows, 1)
-        ln = self.lengths.double()
         has = self.rows > 0
+        # one sorted int32 copy, no float64 one (torch.quantile also refuses more than 2^24 values):
+        # the lower median as torch.median gives it, the 99th percentile interpolated as torch.quantile
+        ln = torch.sort(self.lengths).values if has else self.lengths
+        pos = 0.99 * (self.rows - 1)
+        lo = int(pos)
+        p99 = float(ln[lo]) + (float(ln[min(lo + 1, self.rows - 1)]) - float(ln[lo])) * (pos - lo) if has else 0.0
         return {
             "rows": self.rows,
             "nnz": self.nnz,
             "vocab": self.vocab,
-            "support_mean": float(ln.mean()) if has else 0.0,
-            "support_median": float(ln.median()) if has else 0.0,
-            "support_p99": float(torch.quantile(ln, 0.99)) if has else 0.0,
-            "support_max": int(self.lengths.max()) if has else 0,
+            "support_mean": float(self.lengths.sum(dtype=torch.int64)) / n if has else 0.0,
+            "support_median": float(ln[(self.rows - 1) // 2]) if has else 0.0,
+            "support_p99": p99,
+            "support_max": int(ln[-1]) if has else 0,
             "singleton_share": float((self.lengths == 1).sum()) / n,
             "outside_support_rows": self.outside_rows,
             "bytes_written": self.bytes_written,
@@ -161,10 +167,11 @@ def _check_inputs(dumps: list):
 
 
 def _mask_metadata(dumps: list, vocab: int, job: _Job) -> dict:
-    names = [os.path.basename(d.path) for d in dumps]
+    names = source_names([d.path for d in dumps])
     return {
         "vocab_size": vocab,
         "sources": names,
+        "inputs": [file_identity(d.path) for d in dumps],  # what --resume compares (files/identity.py)
         "params": {name: {k: _param_source(d, k, job.flags, job.explicit) for k in PARAM_KEYS}
                    for name, d in zip(names, dumps)},
         "logprobs_source": {name: "rollout_logprobs" if "rollout_logprobs" in d else "computed"
@@ -179,10 +186,12 @@ def _capture_rows(dumps, shapes, vocab, job: _Job, metadata, out, lo_row, hi_row
     or memory when out is None). Only O(rows) values stay in memory for the summary and the report."""
     count = max(0, hi_row - lo_row)
     bytes_read, t0 = 0, time.perf_counter()
-    lengths = torch.empty(count, dtype=torch.int64)
+    lengths = torch.empty(count, dtype=torch.int32)  # a support has fewer than 2^31 ids
     flagged = torch.zeros(count, dtype=torch.bool)
-    codes = torch.full((count,), -1, dtype=torch.int8)  # log-prob mismatch cause per row
-    engine_lps, capture_lps = torch.zeros(count), torch.zeros(count)
+    # the log-prob comparison's per-row values, for the whole run only when there is one
+    compared = count if job.compare else 0
+    codes = torch.full((compared,), -1, dtype=torch.int8)  # log-prob mismatch cause per row
+    engine_lps, capture_lps = torch.zeros(compared), torch.zeros(compared)
     with (atomic_file(out) if out is not None else contextlib.nullcontext()) as f:
         sink = MaskSink(f, count, vocab, job.carried, job.outside, metadata, job.compare, job.entries) \
             if out is not None else MemorySink(job.carried, job.outside, metadata, job.compare, job.entries)
@@ -194,9 +203,10 @@ def _capture_rows(dumps, shapes, vocab, job: _Job, metadata, out, lo_row, hi_row
                 first += n
                 step = chunk_rows or max(1, default_chunk_rows(vocab, d.dtype("logits").itemsize + MASK_ENTRY_BYTES)
                                          // profiles.CHUNK_DIVISOR[job.profile])
+                switches = _engine_batch_switches(d, n, vocab, job) if hi > lo else {}
                 for a in range(lo, hi, step):
                     b = min(hi, a + step)
-                    m, extras = _capture_chunk(d, a, b, job)
+                    m, extras = _capture_chunk(d, a, b, job, {k: v[a:b] for k, v in switches.items()})
                     sink.write(row, m, extras)
                     span = slice(row, row + b - a)
                     lengths[span], flagged[span] = m.lengths(), extras["outside_support"]
@@ -217,7 +227,21 @@ def _capture_rows(dumps, shapes, vocab, job: _Job, metadata, out, lo_row, hi_row
                           int(flagged.sum()), notes, mask, mismatch)
 
 
-def _capture_chunk(d: Dump, a: int, b: int, job: _Job):
+def _engine_batch_switches(d: Dump, n: int, vocab: int, job: _Job) -> dict:
+    """The engine profile's batch-wide choices for every row of the dump, decided over its engine
+    batch (the dump's `batch` key, else the whole dump), never over a chunk or a rank's share: the
+    per-row parameters are read whole (a few bytes per row) once per dump."""
+    if job.profile == "exact":
+        return {}
+    params = {k: _param_value(d, k, job.flags, job.explicit, 0, n) for k in PARAM_KEYS}
+    batch = d.get("batch").to(torch.int64) if "batch" in d else None
+    try:
+        return profiles.batch_switches(job.profile, n, vocab, **params, batch=batch)
+    except ValueError as exc:
+        raise errors.from_op_error(exc, keys=PARAM_KEYS, default_key="batch").at(file=d.path, cls=DumpError) from exc
+
+
+def _capture_chunk(d: Dump, a: int, b: int, job: _Job, switches: Optional[dict] = None):
     flags, explicit, device, outside, profile = job.flags, job.explicit, job.device, job.outside, job.profile
     has_lp, carried, compare, tol = "rollout_logprobs" in d, job.carried, job.compare, job.tolerance
     logits = d.get("logits", a, b, stream=True)  # released when the next chunk is read
@@ -227,7 +251,8 @@ def _capture_chunk(d: Dump, a: int, b: int, job: _Job):
         logits, sampled = logits.to(device), sampled.to(device)
         params = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
     try:
-        m = capture(logits, sampled=sampled, outside=outside, profile=profile, entry_logprobs=job.entries, **params)
+        m = capture(logits, sampled=sampled, outside=outside, profile=profile, entry_logprobs=job.entries,
+                    switches=switches or None, **params)
     except (RuntimeError, ValueError) as exc:
         # Name the defect precisely when it is in the logits; else the op's own words, located in
         # the file (its chunk-relative row made absolute), with the command line's advice.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from mask_replay.csr import check_offsets, check_row_values
 from mask_replay.errors import DumpError
 from mask_replay.files.dumps import Dump, _dtname
 
@@ -30,6 +31,13 @@ def describe(d: Dump) -> dict:
             problem = str(d.err("offsets", f"must be 1-D int64 with N+1 >= 1 entries, got {_dtname(dt)} {list(shape)}"))
             return {"kind": kind, "keys": keys, "summary": summary, "metadata": dict(d.metadata), "problem": problem}
         offsets = d.get("offsets")  # [N+1] int64: small, unlike the logits of a dump
+        nnz = int(d.shape("token_ids")[0]) if len(d.shape("token_ids")) == 1 else -1
+        try:  # the checks score makes: no statistics of a mask it would refuse
+            check_offsets(offsets, nnz, source=d.path)
+            check_row_values({k: d.get(k) for k in ("logprobs", "kept_mass", "capture_logprobs") if k in d},
+                             source=d.path)
+        except DumpError as exc:
+            return {"kind": kind, "keys": keys, "summary": summary, "metadata": dict(d.metadata), "problem": str(exc)}
         lengths = (offsets[1:] - offsets[:-1]).double()
         summary["rows"] = int(lengths.numel())
         summary["nnz"] = int(d.shape("token_ids")[0]) if d.shape("token_ids") else 0

@@ -15,6 +15,8 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +27,60 @@ from mask_replay.errors import DumpError
 DEFAULT_TIMEOUT_S = 1800
 
 
+# After this many seconds of waiting on the other ranks, a rank says on stderr what it waits for.
+WAIT_NOTE_S = 5.0
+# MASK_REPLAY_DISTRIBUTED=1 joins the process group whatever launched the command, =0 never does.
+FORCE_ENV = "MASK_REPLAY_DISTRIBUTED"
+
+
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """Whether this command was launched by torchrun FOR ITSELF, and so joins a process group.
+
+    RANK and WORLD_SIZE alone are not enough: a command started from inside a torchrun job (a training
+    script's subprocess) inherits them, and joining would wait for ranks that never come. A rank torchrun
+    launched is a direct child of the torchrun agent; where the parent cannot be read (no /proc),
+    the variables decide, as before."""
+    forced = os.environ.get(FORCE_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False
+    parent = _cmdline(os.getppid())
+    return parent is None or _is_torchrun(parent)
+
+
+def _cmdline(pid: int):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+
+
+def _is_torchrun(argv: list) -> bool:
+    names = [os.path.basename(a) for a in argv[:3]]
+    return ("torchrun" in names or any(a in ("torch.distributed.run", "torch.distributed.launch") for a in argv[:4])
+            or any(a.endswith(("/torch/distributed/run.py", "/torch/distributed/launch.py")) for a in argv[:3]))
+
+
+@contextlib.contextmanager
+def waiting_note(what: str, after: float = WAIT_NOTE_S):
+    """Say on stderr, once, what this rank is waiting for when the wait passes `after` seconds."""
+    t0 = time.monotonic()
+
+    def note():
+        rank = os.environ.get("RANK", "?")
+        print(f"mask-replay: note: rank {rank}: still waiting for {what} after {time.monotonic() - t0:.0f} s "
+              f"(timeout MASK_REPLAY_DIST_TIMEOUT={os.environ.get('MASK_REPLAY_DIST_TIMEOUT', DEFAULT_TIMEOUT_S)} s)",
+              file=sys.stderr, flush=True)
+
+    timer = threading.Timer(after, note)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class RankStopped(BaseException):
@@ -89,7 +143,8 @@ def say(message: str) -> None:
 
 def _collective(what: str, fn, *args, **kwargs):
     try:
-        return fn(*args, **kwargs)
+        with waiting_note(f"the other ranks ({what})"):
+            return fn(*args, **kwargs)
     except RuntimeError as exc:  # a peer closed its connection or the timeout passed
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         first = re.sub(r"^\[Rank \d+\]: ", "", first)
@@ -121,7 +176,9 @@ def process_group(device: str):
     try:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        with waiting_note(f"{os.environ.get('WORLD_SIZE')} ranks to join the process group at {where}"):
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     except (RuntimeError, ValueError) as exc:
         raise DumpError(f"torchrun: cannot set up the process group ({str(exc).strip().splitlines()[0]})") from exc

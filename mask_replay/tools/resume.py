@@ -2,7 +2,8 @@
 
 Outputs are written atomically (a temporary file renamed into place), so an output that exists
 was written whole; what remains to check is that it answers *this* command:
-  capture: the mask file's metadata names the same input files (in order), the same parameter
+  capture: the mask file's metadata names the same input files (in order: resolved paths and content
+           identity, files/identity.py, not base names), the same parameter
            sources and values, the same `--outside` and profile (semantics), the same
            `--logprob-tol` when it holds a log-prob mismatch report, and it has as many rows as
            the inputs;
@@ -18,6 +19,7 @@ from typing import Optional
 
 from mask_replay.errors import DumpError
 from mask_replay.files.dumps import PARAM_KEYS, Dump
+from mask_replay.files.identity import file_identity, source_names
 from mask_replay.sampler.profiles import semantics
 from mask_replay.tools.capture import _param_source
 
@@ -38,11 +40,13 @@ def capture_complete(paths, out, *, flags: dict, explicit, outside: str, profile
             meta, rows = m.metadata, m.shape("offsets")[0] - 1 if "offsets" in m else -1
             has_entries = "entry_logprobs" in m
         total, params = 0, {}
-        for p in paths:
+        names = source_names(paths)
+        for name, p in zip(names, paths):
             with Dump(p) as d:
                 total += d.require_rollout()[0]
-                params[os.path.basename(d.path)] = {k: _param_source(d, k, flags, set(explicit)) for k in PARAM_KEYS}
-        same = (json.loads(meta.get("sources", "null")) == [os.path.basename(p) for p in paths]
+                params[name] = {k: _param_source(d, k, flags, set(explicit)) for k in PARAM_KEYS}
+        same = (json.loads(meta.get("sources", "null")) == names
+                and json.loads(meta.get("inputs", "null")) == [file_identity(p) for p in paths]
                 and json.loads(meta.get("params", "null")) == params
                 and meta.get("outside") == outside and meta.get("semantics") == semantics(profile)
                 and rows == total and has_entries == bool(entry_logprobs)

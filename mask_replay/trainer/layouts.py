@@ -43,7 +43,8 @@ class _Rows:
             return logits
         v = logits.shape[-1]
         if self.kind == "strided":
-            return logits.as_strided((self.count, v), (self.stride, logits.stride(2)), logits.storage_offset())
+            # no storage_offset argument: as_strided keeps the input's own (and torch.compile traces it)
+            return logits.as_strided((self.count, v), (self.stride, logits.stride(2)))
         return logits.reshape(self.count, v)  # a view for "view", the one copy for "copy"
 
     def unview(self, grad_rows: torch.Tensor, shape) -> torch.Tensor:
@@ -89,21 +90,27 @@ class _RowsReplay(torch.autograd.Function):
     def forward(ctx, logits, rows_map, token_ids, offsets, sampled, temperature, fallback, dummy_rows):
         rows = rows_map.view(logits)
         logp, lse, status = ops.replay_fwd(rows, token_ids, offsets, sampled, temperature, fallback)
-        ctx.save_for_backward(rows, token_ids, offsets, sampled, temperature, lse, status, dummy_rows)
+        ctx.save_for_backward(logits, rows, token_ids, offsets, sampled, temperature, lse, status, dummy_rows)
         ctx.rows_map, ctx.shape = rows_map, logits.shape
         ctx.mark_non_differentiable(status)
         return logp, status
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_status):
-        rows, token_ids, offsets, sampled, temperature, lse, status, dummy_rows = ctx.saved_tensors
+        logits, rows, token_ids, offsets, sampled, temperature, lse, status, dummy_rows = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph=True: the rows view is taken again from the logits so that the gradient
+            # stays connected to them, and differentiating it reaches replay_bwd's refusal (_ops.py)
+            # instead of a silent zero.
+            rows = ctx.rows_map.view(logits)
         grad = ops.replay_bwd(grad_logp.contiguous(), rows, token_ids, offsets, sampled, temperature, lse, status)
-        if dummy_rows.numel():
-            # A dummy row whose token-0 logit is not finite has lse = +-inf or NaN, and its
-            # (zero-weighted) gradient can be NaN: those rows, and only those, are zeroed again.
-            dead = dummy_rows[~torch.isfinite(rows[dummy_rows, 0])]
-            if dead.numel():
-                grad.index_fill_(0, dead, 0)
+        # A dummy row whose token-0 logit is not finite has lse = +-inf or NaN, and its (zero-weighted)
+        # gradient can be NaN: those rows, and only those, are zeroed again. Written without a
+        # data-dependent branch or shape, so that torch.compile traces it whole.
+        dead = ~torch.isfinite(rows[dummy_rows, 0])
+        grad = grad.index_put((dummy_rows,), torch.where(dead[:, None], torch.zeros((), dtype=grad.dtype,
+                                                                                     device=grad.device),
+                                                        grad[dummy_rows]))
         return ctx.rows_map.unview(grad, ctx.shape), None, None, None, None, None, None, None
 
 
@@ -162,24 +169,56 @@ def _describe(position: int, shape, cu: Optional[torch.Tensor]) -> str:
     return f"token {position}"
 
 
-def _rows_csr(mask, kept_rows, r: int, y_kept, t_kept):
+# ---- the layout step, one op -----------------------------------------------------------------------
+# Which positions are kept, and so how many rows the mask must have and how long the CSR over the view
+# is, depends on the labels' values. As a custom op (with a fake kernel whose sizes are unbacked
+# symbols), that step is opaque to torch.compile, and replay over [B, T, V] or packed layouts traces
+# whole (fullgraph=True) like the 2-D path; its checks run inside it, in eager and compiled code alike.
+@torch.library.custom_op("mask_replay::layout_csr", mutates_args=())
+def _layout_csr(keep: torch.Tensor, pos_rows: torch.Tensor, rows: int, token_ids: torch.Tensor,
+                offsets: torch.Tensor, labels: torch.Tensor, mask_sampled: torch.Tensor, labels_from_mask: bool,
+                temperature: torch.Tensor, cu_seqlens: torch.Tensor, total: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, offsets, labels, temperatures over the view's rows; the dummy rows; the kept positions)."""
+    if cu_seqlens.numel():
+        _check_cu_seqlens(cu_seqlens, total, cu_seqlens.device)
+    kept_pos = torch.nonzero(keep)[:, 0]
+    n, m = kept_pos.numel(), offsets.numel() - 1
+    if m != n:
+        raise ValueError(f"replay_logprobs: the mask has {m} rows but the batch has {n} positions "
+                         f"that are not ignored (mask.align(...) maps another order)")
+    y_kept = mask_sampled.to(torch.int64) if labels_from_mask else labels[kept_pos]
+    out = _rows_csr(token_ids, offsets, pos_rows[kept_pos], rows, y_kept, temperature[kept_pos])
+    return out + (kept_pos,)
+
+
+@_layout_csr.register_fake
+def _layout_csr_fake(keep, pos_rows, rows, token_ids, offsets, labels, mask_sampled, labels_from_mask,
+                     temperature, cu_seqlens, total):
+    ctx = torch.library.get_ctx()
+    dummies, kept = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    return (token_ids.new_empty((token_ids.shape[0] + dummies,)), offsets.new_empty((rows + 1,)),
+            labels.new_empty((rows,)), temperature.new_empty((rows,)), offsets.new_empty((dummies,)),
+            offsets.new_empty((kept,)))
+
+
+def _rows_csr(token_ids, m_off, kept_rows, r: int, y_kept, t_kept):
     """The CSR over every row of the view: the mask's rows at kept positions, {0} (label 0,
     temperature 1: log-prob 0, gradient 0) at every other row. O(nnz + rows)."""
     device = kept_rows.device
-    n = kept_rows.numel()
-    m_off = mask.offsets.to(device=device, dtype=torch.int64)
+    n, nnz = kept_rows.numel(), token_ids.numel()
     m_len = m_off[1:] - m_off[:-1]
-    if bool((m_len < 0).any()) or int(m_off[0]) != 0 or int(m_off[-1]) != mask.nnz:
+    if bool((m_len < 0).any()) or int(m_off[0]) != 0 or int(m_off[-1]) != nnz:
         raise ValueError("replay_logprobs: the mask's offsets are not a valid CSR (see SamplingMask.validate)")
     lengths = torch.ones(r, dtype=torch.int64, device=device)
     lengths[kept_rows] = m_len
     offsets = torch.zeros(r + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     ids = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=device)
-    if mask.nnz:
-        m_rows = torch.repeat_interleave(torch.arange(n, device=device), m_len, output_size=mask.nnz)
-        dest = offsets[kept_rows][m_rows] + torch.arange(mask.nnz, device=device) - m_off[m_rows]
-        ids[dest] = mask.token_ids.to(device=device, dtype=torch.int32)
+    if nnz:
+        m_rows = torch.repeat_interleave(torch.arange(n, device=device), m_len, output_size=nnz)
+        dest = offsets[kept_rows][m_rows] + torch.arange(nnz, device=device) - m_off[m_rows]
+        ids[dest] = token_ids.to(device=device, dtype=torch.int32)
     y = torch.zeros(r, dtype=torch.int64, device=device)
     y[kept_rows] = y_kept
     t = torch.ones(r, dtype=torch.float32, device=device)
@@ -209,31 +248,35 @@ def replay_layout(logits, mask, sampled, temperature, *, ignore_index=-100, loss
     elif loss_mask is None:
         raise ValueError("sampled (labels with ignore_index) or loss_mask is required to place the mask's rows")
     out = output_dtype(out_dtype, logits.dtype, "replay_logprobs")
-    cu = _check_cu_seqlens(cu_seqlens, shape[0], device) if cu_seqlens is not None else None
+    cu = None
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.dim() != 1:
+            _check_cu_seqlens(cu_seqlens, shape[0], device)  # names what is wrong with it
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        if not torch.compiler.is_compiling():  # first, as before; compiled, the layout op checks it
+            _check_cu_seqlens(cu, shape[0], device)
+    if sampled is None and mask.sampled is None:
+        raise ValueError("sampled is required (the mask carries no sampled tokens)")
 
     keep = _keep(sampled, loss_mask, ignore_index, shape, device)
-    kept_pos = torch.nonzero(keep)[:, 0]
-    n = kept_pos.numel()
-    if mask.num_rows != n:
-        raise ValueError(f"replay_logprobs: the mask has {mask.num_rows} rows but the batch has {n} positions "
-                         f"that are not ignored (mask.align(...) maps another order)")
     if sampled is not None:
-        y_kept = sampled.reshape(-1)[kept_pos].to(torch.int64)
-    elif mask.sampled is not None:
-        y_kept = mask.sampled.to(device=device, dtype=torch.int64)
+        labels = sampled.reshape(-1).to(torch.int64)
     else:
-        raise ValueError("sampled is required (the mask carries no sampled tokens)")
-    t_kept = _position_temperature(temperature, shape, cu, device).reshape(-1)[kept_pos]
+        labels = keep.new_zeros(keep.shape, dtype=torch.int64)
+    mask_sampled = mask.sampled.to(device=device, dtype=torch.int64) if sampled is None else labels.new_zeros(0)
+    t_pos = _position_temperature(temperature, shape, cu, device).reshape(-1)
 
     rows_map = _rows_of(logits)
     pos_rows = rows_map.positions(shape, device)
-    kept_rows = pos_rows[kept_pos]
-    ids, offsets, y, t, dummy_rows = _rows_csr(mask, kept_rows, rows_map.count, y_kept, t_kept)
+    ids, offsets, y, t, dummy_rows, kept_pos = ops.layout_csr(
+        keep, pos_rows, rows_map.count, mask.token_ids.to(device), mask.offsets.to(device=device, dtype=torch.int64),
+        labels, mask_sampled, sampled is None, t_pos.contiguous(),
+        cu if cu is not None else labels.new_zeros(0), shape[0])
 
     try:
         logp_rows, status_rows = _RowsReplay.apply(logits, rows_map, ids, offsets, y, t, bool(fallback), dummy_rows)
     except RuntimeError as exc:
-        raise _translate(exc, kept_rows, kept_pos, shape, cu) from None
+        raise _translate(exc, pos_rows[kept_pos], kept_pos, shape, cu) from None
 
     keep_shaped = keep.reshape(shape)
     at_pos = logp_rows[pos_rows].reshape(shape)

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from mask_replay._ops import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE, REPLAYED, ops
+from mask_replay._ops import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE, REPLAYED, ops, reject_forward_ad
 from mask_replay.mask import SamplingMask
 from mask_replay.params import output_dtype, temperature_per_row
 from mask_replay.trainer.layouts import replay_layout
@@ -105,6 +105,7 @@ def replay_logprobs(
     # _rows_of can name it (an AttributeError otherwise).
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a tensor of shape [N, V] or [B, T, V], got {type(logits).__name__}")
+    reject_forward_ad("mask_replay::replay_fwd", logits)
     if logits.dim() == 3 or cu_seqlens is not None or loss_mask is not None:
         return replay_layout(logits, mask, sampled, temperature, ignore_index=ignore_index, loss_mask=loss_mask,
                              cu_seqlens=cu_seqlens, fallback=fallback, return_status=return_status,
@@ -145,6 +146,7 @@ def replay_logprobs_from_hidden(
     covers the whole vocabulary, so with fallback rows the sparse gradient has all V rows.
     out_dtype as in replay_logprobs.
     """
+    reject_forward_ad("mask_replay::hidden_fwd", hidden, weight, bias)
     if sparse_grad:
         return replay_from_hidden_sparse(hidden, weight, mask, sampled, temperature, bias, fallback=fallback,
                                          return_status=return_status, out_dtype=out_dtype)
@@ -163,6 +165,7 @@ def replay_logprobs_from_hidden(
 def full_logprobs(logits: torch.Tensor, sampled: torch.Tensor, temperature: Temperature = 1.0) -> torch.Tensor:
     """log softmax(logits / T)[sampled] over the whole vocabulary (the no-replay baseline), one
     pass over each row, differentiable w.r.t. logits."""
+    reject_forward_ad("mask_replay::full_fwd", logits)
     n = _rows_of(logits, "logits", "[N, V]")
     y = _sampled(sampled, None, n, logits.device)
     t = _temperature(temperature, n, logits.device)

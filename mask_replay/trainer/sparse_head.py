@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from mask_replay._ops import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE, REPLAYED
+from mask_replay._ops import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE, REPLAYED, higher_order_error, refuse_double_backward
 from mask_replay.csr import device_csr, segment_logsumexp, segment_sum
 from mask_replay.mask import SamplingMask
 from mask_replay.params import compute_dtype, output_dtype, temperature_per_row
@@ -104,9 +104,15 @@ class _SupportDot(torch.autograd.Function):
         return x
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         hidden, weight, offsets, rows, ids = ctx.saved_tensors
+        with torch.no_grad():
+            grads = _SupportDot._gradients(ctx, g, hidden, weight, offsets, rows, ids)
+        return refuse_double_backward("the sparse LM head (sparse_grad=True, support_*_from_hidden)", grads, hidden,
+                                      weight, g)
+
+    @staticmethod
+    def _gradients(ctx, g, hidden, weight, offsets, rows, ids):
         acc = g.dtype
         n, nnz, d = hidden.shape[0], ids.numel(), hidden.shape[1]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -132,6 +138,10 @@ class _SupportDot(torch.autograd.Function):
                 grad_w = torch.zeros_like(weight).index_add_(0, ids, values)
         return (grad_h.to(hidden.dtype) if grad_h is not None else None), grad_w, None, None, None, None
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise higher_order_error("the sparse LM head (sparse_grad=True, support_*_from_hidden)", "forward-mode AD")
+
 
 class _FullProjection(torch.autograd.Function):
     """hidden_f @ weight.T + bias for the few fallback rows; with sparse_grad the weight gradient
@@ -154,6 +164,10 @@ class _FullProjection(torch.autograd.Function):
             idx = torch.arange(weight.shape[0], device=weight.device)[None]
             gw = torch.sparse_coo_tensor(idx, gw, weight.shape, is_coalesced=True, check_invariants=False)
         return gh, gw, (g.sum(0) if ctx.has_bias else None), None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise higher_order_error("the sparse LM head's fallback rows (sparse_grad=True)", "forward-mode AD")
 
 
 def replay_from_hidden_sparse(hidden, weight, mask, sampled, temperature=1.0, bias=None, *, fallback=False,

@@ -288,3 +288,37 @@ def test_generate_with_entry_logprobs(tiny):
     mask.validate(V)
     rows = mask.row_ids()
     assert torch.equal(mask.entry_logprobs[mask.token_ids.long() == mask.sampled[rows]], mask.logprobs)
+
+
+# ---- stopping criteria ---------------------------------------------------------------------------------
+class _StopRowAfter(transformers.StoppingCriteria):
+    """Stops one sequence after `count` generated tokens (a per-sequence criterion, not an EOS)."""
+
+    def __init__(self, row, prompt, count):
+        self.row, self.prompt, self.count = row, prompt, count
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        done[self.row] = input_ids.shape[1] - self.prompt >= self.count
+        return done
+
+
+class _NoStop(transformers.LogitsProcessor):
+    """Forbids every EOS and the pad id, so that only the criterion under test ends a sequence."""
+
+    def __call__(self, input_ids, scores):
+        scores[:, STOP + [PAD]] = float("-inf")
+        return scores
+
+
+@pytest.mark.parametrize("recorder", [MaskRecorder, lambda: SupportWarper(top_k=8)])
+def test_sequence_stopped_by_a_criterion_has_no_rows_after_it(tiny, recorder):
+    model, enc = tiny
+    torch.manual_seed(2)
+    out, mask = generate(model, enc, recorder(), max_new_tokens=6, logits_processor=[_NoStop()],
+                         stopping_criteria=[_StopRowAfter(0, 5, 2)])
+    generated = out.sequences[:, 5:]
+    assert generated.shape[1] == 6 and bool((generated[0, 2:] == PAD).all())  # generate padded row 0
+    rows = list(zip(mask.extras["sequence"].tolist(), mask.extras["position"].tolist()))
+    assert rows == [(0, 0), (0, 1)] + [(1, t) for t in range(6)]
+    assert mask.sampled.tolist() == generated[0, :2].tolist() + generated[1].tolist()

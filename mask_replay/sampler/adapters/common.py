@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from mask_replay import csr
+from mask_replay.csr import LOGPROB_MARGIN
 from mask_replay.errors import EngineOutputError, MaskFormatError
 from mask_replay.mask import SamplingMask
 from mask_replay.params import _float32_problem
@@ -253,13 +254,25 @@ def _float_list(values: list, label: str, what: str) -> np.ndarray:
     return np.array(values, dtype=np.float64) if values else np.zeros(0, dtype=np.float64)
 
 
+def _check_logprobs(values: np.ndarray, label: str, what: str, counts=None) -> np.ndarray:
+    """An engine's log-probs: a number <= 0 (float32 rounding aside) or -inf; NaN and +inf, or a
+    positive value (a probability above 1), is a broken response, named by its token."""
+    bad = np.flatnonzero(np.isnan(values) | (values > LOGPROB_MARGIN))
+    if bad.size:
+        i = int(bad[0])
+        t = i if counts is None else int(np.searchsorted(np.cumsum(counts), i, side="right"))
+        raise EngineOutputError(f"{label} token {t}: {what} {float(values[i])!r} is not a log-probability "
+                                "(must be <= 0, not NaN)")
+    return values
+
+
 def _token_logprobs(c: Completion, n: int):
     if c.token_logprobs is None:
         return None
     vals = as_list(c.token_logprobs, f"{c.label}: logprobs")
     if len(vals) != n:
         raise EngineOutputError(f"{c.label}: {len(vals)} log-probs for {n} generated tokens")
-    return _float_list(vals, c.label, "log-prob")
+    return _check_logprobs(_float_list(vals, c.label, "log-prob"), c.label, "log-prob")
 
 
 def _entry_logprobs(c: Completion, rows: list, counts: np.ndarray):
@@ -280,7 +293,7 @@ def _entry_logprobs(c: Completion, rows: list, counts: np.ndarray):
         if not _is_real(x):
             t = int(np.searchsorted(np.cumsum(counts), i, side="right"))
             raise EngineOutputError(f"{c.label} token {t}: sampling-mask log-prob {x!r} is not a number")
-    return np.array(flat, dtype=np.float64)
+    return _check_logprobs(np.array(flat, dtype=np.float64), c.label, "sampling-mask log-prob", counts)
 
 
 def _check_ids(ids, row_of, sampled, vocab_size, where):

@@ -33,7 +33,12 @@ def to_padded(mask, width: Optional[int] = None):
     if widest > width:
         r = int(torch.nonzero(lengths > width)[0])
         raise ValueError(f"row {r} has {int(lengths[r])} ids, more than the width {width}")
-    ids = torch.full((n, width), PAD, dtype=torch.int32, device=mask.device)
+    if width >= INT32_LIMIT:  # a row holds distinct int32 ids: no support is this wide
+        raise ValueError(f"width {width} is not below 2^31 (no row can hold more distinct int32 ids)")
+    try:
+        ids = torch.full((n, width), PAD, dtype=torch.int32, device=mask.device)
+    except (RuntimeError, MemoryError) as exc:  # the allocator's refusal, named by the sizes asked for
+        raise ValueError(f"{n} rows x width {width} int32 ids ({4 * n * width:,} bytes) cannot be allocated") from exc
     if mask.nnz:
         rows = mask.row_ids()
         cols = torch.arange(mask.nnz, device=mask.device) - mask.offsets[rows]
@@ -97,6 +102,8 @@ def mask_from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Op
     offsets = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     for name, v in extras.items():
+        if name in ("token_ids", "offsets"):
+            raise EngineOutputError(f"{source}: {name} is the mask's own CSR key, not a per-row extra")
         if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.numel() != n:
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise EngineOutputError(f"{source}: {name} must be a tensor of shape [{n}], got {shape}")

@@ -32,7 +32,9 @@ def mask_from_sglang(outputs: Any, *, temperature: Optional[float] = None, step:
     completions = []
     for r, item in enumerate(items):
         if has(item, "choices"):  # chat completions: one meta_info per choice
-            for j, ch in enumerate(as_list(get(item, "choices") or [], f"response {r}: choices")):
+            if get(item, "choices") is None:
+                raise EngineOutputError(f"response {r}: choices is null, expected a list of completions")
+            for j, ch in enumerate(as_list(get(item, "choices"), f"response {r}: choices")):
                 completions.append(_completion(ch, r, get(ch, "index", j)))
         elif has(item, "meta_info"):
             completions.append(_completion(item, r, None))

@@ -55,9 +55,14 @@ def _completions(request, r: int) -> list:
     else:
         raise EngineOutputError(f"{name}: neither a vLLM RequestOutput (outputs), a CompletionOutput "
                                 f"(token_ids) nor a generate response (choices): {type(request).__name__}")
-    choices = as_list(choices if choices is not None else [], f"{name}: choices")
+    if choices is None:  # a response without completions is not an empty one: rows would go missing silently
+        raise EngineOutputError(f"{name}: choices is null, expected a list of completions")
+    choices = as_list(choices, f"{name}: choices")
     indexed = []
     for j, ch in enumerate(choices):
+        if ch is None or isinstance(ch, (bool, int, float, str, list, tuple)):
+            raise EngineOutputError(f"{name} choice at position {j}: {ch!r} is not a completion (an object with "
+                                    "token_ids)")
         idx = get(ch, "index", j)
         if type(idx) is not int:
             raise EngineOutputError(f"{name} choice at position {j}: index {idx!r} is not an integer")
@@ -105,6 +110,9 @@ def _token_logprobs(lp, tokens, label: str):
             return as_list(lp["token_logprobs"], f"{label}: logprobs.token_logprobs")
         raise EngineOutputError(f"{label}: logprobs has neither 'content' nor 'token_logprobs'")
     # offline API: per position a dict {token id: Logprob(logprob=...)} holding the sampled token
+    if isinstance(lp, (bool, int, float, str, bytes)) or not hasattr(lp, "__iter__"):
+        raise EngineOutputError(f"{label}: logprobs is {lp!r}, expected per-token log-probs (a list, or an object "
+                                "with 'content' or 'token_logprobs')")
     positions = list(lp) if not isinstance(lp, list) else lp
     tokens = tokens or []
     if len(positions) != len(tokens):

@@ -8,7 +8,7 @@ logits equals the engine's support (see docs/semantics.md, "Engine profiles", fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -16,6 +16,7 @@ from mask_replay.mask import SEMANTICS
 from mask_replay.sampler.profiles import hf, sglang, vllm
 from mask_replay.sampler.profiles.common import (
     RowParams,
+    batch_of,
     check_logits,
     greedy_keep,
     keep_to_csr,
@@ -33,15 +34,19 @@ class EngineProfile:
     name: str
     engine: str
     greedy_rows: Callable[[RowParams], torch.Tensor]
-    keep: Callable[[torch.Tensor, RowParams], torch.Tensor]
+    keep: Callable[[torch.Tensor, RowParams, dict], torch.Tensor]
+    switches: Callable[[RowParams, torch.Tensor, int], dict]  # per-row values of the batch-wide choices
     temperature: Callable[[RowParams], torch.Tensor] = lambda prm: prm.temperature
     divide_by_scalar: bool = False  # the engine divides by a Python float, not a tensor
 
 
 _ENGINES = {
-    "vllm": EngineProfile("vllm", vllm.ENGINE, vllm.greedy_rows, vllm.keep),
-    "sglang": EngineProfile("sglang", sglang.ENGINE, sglang.greedy_rows, sglang.keep, sglang.temperature),
-    "hf": EngineProfile("hf", hf.ENGINE, hf.greedy_rows, hf.keep, divide_by_scalar=True),
+    "vllm": EngineProfile("vllm", vllm.ENGINE, vllm.greedy_rows, vllm.keep,
+                          lambda prm, batch, vocab: vllm.batch_switches(prm, batch)),
+    "sglang": EngineProfile("sglang", sglang.ENGINE, sglang.greedy_rows, sglang.keep, sglang.batch_switches,
+                            sglang.temperature),
+    "hf": EngineProfile("hf", hf.ENGINE, hf.greedy_rows, hf.keep,
+                        lambda prm, batch, vocab: hf.batch_switches(prm, batch), divide_by_scalar=True),
 }
 
 
@@ -68,14 +73,30 @@ def engine_of(profile: str) -> str:
     return "mask-replay exact support" if profile == "exact" else _ENGINES[profile].engine
 
 
+def batch_switches(profile: str, n: int, vocab: int, device="cpu", *, temperature=1.0, top_k=None, top_p=None,
+                   min_p=None, batch: Optional[torch.Tensor] = None) -> dict:
+    """The batch-wide choices an engine makes, as one value per row taken from the row's ENGINE BATCH
+    (the rows it sampled in one step): `batch` [N] ids (rows with one id form one batch), or all N
+    rows as one batch. Parameters as for engine_support, over all N rows. A caller that captures an
+    engine batch in pieces (chunks, ranks) computes these once over the whole batch and passes each
+    piece its slice (engine_support's `switches`), so the masks do not depend on the pieces."""
+    if check_profile(profile) == "exact":
+        return {}
+    prm = row_params(n, device, temperature, top_k, top_p, min_p)
+    return _ENGINES[profile].switches(prm, batch_of(n, batch, device), vocab)
+
+
 def engine_support(logits: torch.Tensor, profile: str, *, temperature=1.0, top_k=None, top_p=None,
-                   min_p=None, return_keep: bool = False, entry_logprobs: bool = False):
+                   min_p=None, return_keep: bool = False, entry_logprobs: bool = False,
+                   batch: Optional[torch.Tensor] = None, switches: Optional[dict] = None):
     """The support of each row under an engine profile (not "exact": that is the capture kernel).
 
     Returns (token_ids int32, offsets int64, logz float32 [N] = logsumexp of logits / T over the
     vocabulary, at T = 1 for greedy rows); with return_keep also the bool [N, V] support.
-    Parameters are as for `mask_replay.capture`; None means the filter is off for the whole call,
-    which matters where an engine switches a pass on for a whole batch (vLLM's top-p pass).
+    Parameters are as for `mask_replay.capture`; None means the filter is off for the whole call.
+    Where an engine switches a pass on for a whole batch (vLLM's top-p pass, SGLang's sort or topk),
+    the batch is the engine's: `batch` [N] ids, else the rows of this call; or `switches`, the rows'
+    slice of batch_switches(...) computed over whole engine batches elsewhere.
     With entry_logprobs, last comes float32 [nnz]: every support entry's log-prob by the engine's
     arithmetic, a float32 log_softmax of its processed logits (-inf off the support), as vLLM's
     processed log-probs are computed (the profile's float32 x, the engine's order of operations).
@@ -86,10 +107,17 @@ def engine_support(logits: torch.Tensor, profile: str, *, temperature=1.0, top_k
     check_logits(logits)
     n = logits.shape[0]
     prm = row_params(n, logits.device, temperature, top_k, top_p, min_p)
+    if switches is None:
+        switches = eng.switches(prm, batch_of(n, batch, logits.device), logits.shape[1])
+    else:
+        for key, value in switches.items():
+            if not isinstance(value, torch.Tensor) or value.shape != (n,):
+                raise ValueError(f"switches['{key}'] must be a tensor of shape [{n}] (one value per row)")
+        switches = {key: value.to(logits.device) for key, value in switches.items()}
     greedy = eng.greedy_rows(prm)
     scalar = prm.temperature_scalar if eng.divide_by_scalar else None
     x = scaled(logits, eng.temperature(prm), greedy, scalar)
-    keep = greedy_keep(logits, greedy, eng.keep(x, prm))
+    keep = greedy_keep(logits, greedy, eng.keep(x, prm, switches))
     token_ids, offsets = keep_to_csr(keep)
     # at the temperature capture's log-probs are computed with (T = 1 only where T == 0)
     t = prm.temperature

@@ -92,6 +92,51 @@ def effective_k(k: torch.Tensor, vocab: int, off: int) -> torch.Tensor:
     return torch.where(k <= 0, torch.full_like(k, off), k)
 
 
+def batch_of(n: int, batch: Optional[torch.Tensor], device) -> torch.Tensor:
+    """Engine batch index of each row (int64 [N], 0..B-1): `batch` ids as given (rows with one value
+    were sampled in one engine step), or one batch for all rows."""
+    if batch is None:
+        return torch.zeros(n, dtype=torch.int64, device=device)
+    if not isinstance(batch, torch.Tensor) or batch.shape != (n,) or batch.is_floating_point() \
+            or batch.dtype == torch.bool:
+        raise ValueError(f"batch must be an integer tensor of shape [{n}] (engine batch of each row)")
+    return torch.unique(batch.to(device=device, dtype=torch.int64), return_inverse=True)[1]
+
+
+def per_batch_any(flag: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """For each row, whether `flag` holds for some row of its engine batch (bool [N])."""
+    if not flag.numel():
+        return flag
+    hits = torch.zeros(int(batch.max()) + 1, dtype=torch.int64, device=flag.device)
+    hits.index_add_(0, batch, flag.to(torch.int64))
+    return hits[batch] > 0
+
+
+def per_batch_all(flag: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return ~per_batch_any(~flag, batch)
+
+
+def per_batch_max(values: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """For each row, the largest of `values` over its engine batch."""
+    if not values.numel():
+        return values
+    out = torch.full((int(batch.max()) + 1,), torch.iinfo(values.dtype).min, dtype=values.dtype,
+                     device=values.device)
+    out.scatter_reduce_(0, batch, values, reduce="amax")
+    return out[batch]
+
+
+def by_group(x: torch.Tensor, keys: torch.Tensor, run) -> torch.Tensor:
+    """`run(x[rows], key)` for each distinct per-row key (int64 [N]) over that key's rows, results put
+    back in row order: a row's support then depends on its own logits and its key only, never on
+    which other rows share the call."""
+    out = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    for key in torch.unique(keys).tolist():
+        rows = torch.nonzero(keys == key).flatten()
+        out[rows] = run(x[rows], rows, int(key))
+    return out
+
+
 def keep_to_csr(keep: torch.Tensor):
     """Boolean [N, V] -> (token_ids int32 ascending within each row, offsets int64)."""
     counts = keep.sum(1, dtype=torch.int64)

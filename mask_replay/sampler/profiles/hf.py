@@ -25,7 +25,12 @@ def greedy_rows(prm: RowParams) -> torch.Tensor:
     return prm.temperature == 0
 
 
-def keep(x: torch.Tensor, prm: RowParams) -> torch.Tensor:
+def batch_switches(prm: RowParams, batch: torch.Tensor) -> dict:
+    """transformers' warpers decide nothing for the batch as a whole: every filter is per row."""
+    return {}
+
+
+def keep(x: torch.Tensor, prm: RowParams, switches: dict) -> torch.Tensor:
     """x: float32 [N, V], already divided by T. Returns the support as bool [N, V]."""
     v = x.shape[1]
     x = x.clone()

@@ -13,12 +13,22 @@
 - the support is the positive filtered probabilities (tokens whose float32 probability underflows
   to 0 cannot be drawn); when no row of the batch uses a filter, SGLang samples from the plain
   softmax, whose support is again the positive probabilities.
+Both batch-wide choices (the plain-softmax branch; topk over the batch's largest k instead of a full
+sort, which decides which member of a tie at the cut or at the top survives) are decided per engine
+batch (`batch_switches`), never per chunk or rank of a capture.
 """
 from __future__ import annotations
 
 import torch
 
-from mask_replay.sampler.profiles.common import RowParams, effective_k
+from mask_replay.sampler.profiles.common import (
+    RowParams,
+    by_group,
+    effective_k,
+    per_batch_all,
+    per_batch_any,
+    per_batch_max,
+)
 
 ENGINE = "sglang 0.5.23 (srt/layers/sampler.py, top_k_top_p_min_p_sampling_from_probs_torch)"
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS
@@ -34,27 +44,46 @@ def temperature(prm: RowParams) -> torch.Tensor:
     return torch.where(prm.temperature < GREEDY_BELOW, torch.ones_like(prm.temperature), prm.temperature)
 
 
-def keep(x: torch.Tensor, prm: RowParams) -> torch.Tensor:
-    """x: float32 [N, V], already divided by `temperature(prm)`. Returns the support as bool [N, V]."""
-    n, v = x.shape
+def _row_filters(prm: RowParams, n: int, v: int, device):
     greedy = prm.temperature < GREEDY_BELOW
     k = effective_k(prm.top_k, v, TOP_K_ALL) if prm.uses_top_k else torch.full_like(prm.top_k, TOP_K_ALL)
     k = torch.where(greedy, torch.ones_like(k), k)
-    p32 = prm.top_p.to(torch.float32) if prm.uses_top_p else torch.ones(n, dtype=torch.float32, device=x.device)
-    mp32 = prm.min_p.to(torch.float32) if prm.uses_min_p else torch.zeros(n, dtype=torch.float32, device=x.device)
+    p32 = prm.top_p.to(torch.float32) if prm.uses_top_p else torch.ones(n, dtype=torch.float32, device=device)
+    mp32 = prm.min_p.to(torch.float32) if prm.uses_min_p else torch.zeros(n, dtype=torch.float32, device=device)
+    return k, p32, mp32
+
+
+def batch_switches(prm: RowParams, batch: torch.Tensor, vocab: int) -> dict:
+    """Per row, from its engine batch: `mode` -1 the plain-softmax branch (no row filters), 0 the
+    full sort, m > 0 torch.topk over the batch's largest k = m (every row has 1 <= k < 2^30, m < V)."""
+    n = batch.numel()
+    k, p32, mp32 = _row_filters(prm, n, vocab, batch.device)
+    filtered = per_batch_any((k != TOP_K_ALL) | (p32 != 1) | (mp32 > 0), batch)
+    all_k = per_batch_all((k >= 1) & (k < TOP_K_ALL), batch)
+    k_max = per_batch_max(k, batch)
+    mode = torch.where(all_k & (k_max < vocab), k_max, torch.zeros_like(k_max))
+    return {"mode": torch.where(filtered, mode, torch.full_like(mode, -1))}
+
+
+def keep(x: torch.Tensor, prm: RowParams, switches: dict) -> torch.Tensor:
+    """x: float32 [N, V], already divided by `temperature(prm)`. Returns the support as bool [N, V]."""
+    n, v = x.shape
+    k, p32, mp32 = _row_filters(prm, n, v, x.device)
     probs = torch.softmax(x, dim=-1)
-    if not (bool((k != TOP_K_ALL).any()) or bool((p32 != 1).any()) or bool((mp32 > 0).any())):
-        return probs > 0  # the "simple sampling" branch: multinomial over the plain softmax
-    all_k = n > 0 and bool(((k >= 1) & (k < TOP_K_ALL)).all())
-    if all_k and int(k.max()) < v:
-        ps, idx = torch.topk(probs, k=int(k.max()), dim=-1, sorted=True)
-    else:
-        ps, idx = probs.sort(dim=-1, descending=True)
-    cum = torch.cumsum(ps, dim=-1)
-    ranks = torch.arange(ps.shape[1], device=x.device).view(1, -1)
-    ps[ranks >= k.view(-1, 1)] = 0.0
-    ps[(cum - ps) > p32.view(-1, 1)] = 0.0
-    if bool((mp32 > 0).any()):
-        ps[ps < (ps[:, 0] * mp32).view(-1, 1)] = 0.0
-    out = torch.zeros(n, v, dtype=torch.bool, device=x.device)
-    return out.scatter_(1, idx, ps > 0)
+
+    def run(pg, rows, mode):
+        if mode < 0:
+            return pg > 0  # the "simple sampling" branch: multinomial over the plain softmax
+        if mode > 0:
+            ps, idx = torch.topk(pg, k=mode, dim=-1, sorted=True)
+        else:
+            ps, idx = pg.sort(dim=-1, descending=True)
+        cum = torch.cumsum(ps, dim=-1)
+        ranks = torch.arange(ps.shape[1], device=pg.device).view(1, -1)
+        ps[ranks >= k[rows].view(-1, 1)] = 0.0
+        ps[(cum - ps) > p32[rows].view(-1, 1)] = 0.0
+        ps[ps < (ps[:, 0] * mp32[rows]).view(-1, 1)] = 0.0  # min-p 0 drops nothing
+        out = torch.zeros(pg.shape, dtype=torch.bool, device=pg.device)
+        return out.scatter_(1, idx, ps > 0)
+
+    return by_group(probs, switches["mode"], run)

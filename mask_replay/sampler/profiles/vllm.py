@@ -7,16 +7,17 @@ min-p logits processor), as released in vLLM 0.32. Behaviour reproduced, operati
 - top-p on the survivors: ascending sort (torch's default, unstable sort), float32 softmax and
   float32 cumsum, drop while cumsum <= 1 - p with p held as float32 and 1 - p computed in float32,
   the largest token always kept;
-- the top-p pass runs for every row once some row of the batch has p < 1 (here: of the call), so a
-  row with p = 1 in such a batch still loses the tokens whose float32 probability underflows to 0
-  (cumsum == 0 <= 1 - 1); a batch where every p is 1 has no top-p pass at all;
+- the top-p pass runs for every row once some row of the engine batch has p < 1, so a row with
+  p = 1 in such a batch still loses the tokens whose float32 probability underflows to 0
+  (cumsum == 0 <= 1 - 1); a batch where every p is 1 has no top-p pass at all. The switch is decided
+  per engine batch (`batch_switches`), never per chunk or rank of a capture;
 - a row with no finite logit keeps nothing (softmax gives NaN, and NaN compares false).
 """
 from __future__ import annotations
 
 import torch
 
-from mask_replay.sampler.profiles.common import NEG_INF, RowParams, effective_k
+from mask_replay.sampler.profiles.common import NEG_INF, RowParams, by_group, effective_k, per_batch_any
 
 ENGINE = "vllm 0.32 (v1 sampler, apply_top_k_top_p_pytorch + MinPLogitsProcessor)"
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: smaller temperatures sample greedily
@@ -26,7 +27,14 @@ def greedy_rows(prm: RowParams) -> torch.Tensor:
     return prm.temperature < GREEDY_BELOW
 
 
-def keep(x: torch.Tensor, prm: RowParams) -> torch.Tensor:
+def batch_switches(prm: RowParams, batch: torch.Tensor) -> dict:
+    """Per row: whether its engine batch runs the top-p pass (vLLM passes p = None when no row of
+    the batch has p < 1)."""
+    return {"top_p_pass": per_batch_any(prm.top_p < 1, batch) if prm.uses_top_p
+            else torch.zeros_like(batch, dtype=torch.bool)}
+
+
+def keep(x: torch.Tensor, prm: RowParams, switches: dict) -> torch.Tensor:
     """x: float32 [N, V], already divided by T. Returns the support as bool [N, V]."""
     v = x.shape[1]
     x = x.clone()
@@ -35,11 +43,15 @@ def keep(x: torch.Tensor, prm: RowParams) -> torch.Tensor:
         threshold = probs.amax(dim=-1, keepdim=True) * prm.min_p.to(torch.float32).unsqueeze(1)
         x.masked_fill_(probs < threshold, NEG_INF)
     k = torch.clamp(effective_k(prm.top_k, v, v), max=v) if prm.uses_top_k else None
-    if prm.uses_top_p and bool((prm.top_p < 1).any()):  # vLLM passes p = None when no row has p < 1
-        x = _sorted_top_k_top_p(x, k, prm.top_p.to(torch.float32))
-    elif k is not None:
-        x = _top_k_only(x, k)
-    return x > NEG_INF
+    p32 = prm.top_p.to(torch.float32)
+
+    def run(xg, rows, top_p_pass):
+        kg = k[rows] if k is not None else None
+        if top_p_pass:
+            return _sorted_top_k_top_p(xg, kg, p32[rows]) > NEG_INF
+        return (_top_k_only(xg, kg) if kg is not None else xg) > NEG_INF
+
+    return by_group(x, switches["top_p_pass"].to(torch.int64), run)
 
 
 def _top_k_only(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
