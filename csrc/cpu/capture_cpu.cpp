@@ -2,10 +2,12 @@
 //
 // Per row: one pass converts and divides by T, finds the max and checks for NaN/+inf. A filtering
 // scan then keeps the indices with x >= tau in a small buffer; whenever the buffer fills, radix
-// selection on the buffer raises tau (count-based for top-k, mass-based for top-p), which is
-// safe because the k-th largest (or the top-p threshold) of a subset never exceeds that of the
-// whole row. The final radix selection runs over the buffer alone. Top-p without top-k needs the
-// survivors' total mass first: one vectorised pass of exact fixed-point sums.
+// selection on the buffer raises tau (count-based for top-k, mass-based for top-p). That is safe
+// for top-k because the k-th largest of a subset of >= k entries never exceeds the row's; for
+// top-p only once the buffer's mass reaches p * Z (before that, the buffer's top-p key is just
+// its smallest key, not a bound on the row's). The final radix selection runs over the buffer.
+// Top-p without top-k needs the survivors' total mass first: one vectorised pass of exact
+// fixed-point sums.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -224,11 +226,6 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
     }
   } else if (use_top_p) {
     const int64_t total = with_min_p ? sums.above[0] : sums.all;  // -inf entries have no mass
-    auto raise = [&](Scratch& sc) {
-      gather_masses(x, m, sc.cand, sc.mass, nullptr);
-      return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma, sc.kb,
-                                 sc.mb);
-    };
     // Entries below a cut-off whose upper part already holds p * Z have at least that much mass
     // strictly above them: none of them can be kept, so the scan starts at the highest such cut.
     float start = thr;
@@ -238,6 +235,18 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
         break;
       }
     }
+    // The buffer's own top-p key t may only become the scan's threshold once the buffer's mass
+    // reaches p * Z: then every x < t has at least p * Z strictly above it in the buffer alone, so
+    // it is dropped whatever the rest of the row holds. Below that mass, t is merely the buffer's
+    // smallest key, and raising tau to it would drop later columns that the row keeps (the kept
+    // set then depended on the column order). The final call sees every x >= tau, so its t is exact.
+    auto raise = [&](Scratch& sc) {
+      int64_t buffer_mass = 0;
+      gather_masses(x, m, sc.cand, sc.mass, &buffer_mass);
+      if (below_top_p(buffer_mass, prm.top_p, total)) return order_key(start);
+      return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma, sc.kb,
+                                 sc.mb);
+    };
     // Every mass is at most the max's (1.0 in these units), so the support holds at least
     // p * total / 2^40 tokens: past the filter's limit, go straight to the histogram.
     const bool wide = prm.top_p * (static_cast<double>(total) / kMassScaleD) > 4096.0;
