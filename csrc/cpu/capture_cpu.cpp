@@ -33,6 +33,7 @@ struct Scratch {
   std::vector<int32_t> cand, bin_idx;
   std::vector<uint32_t> keys, ka, kb, bin_keys;
   std::vector<int64_t> mass, ma, mb, hist_count, hist_mass;
+  std::vector<int32_t> ids;  // compressed output of one row; sized v + 8, never shrunk
 };
 
 // Per-thread buffers that live across calls: fresh row-sized allocations would page-fault on every
@@ -156,6 +157,46 @@ void select_by_histogram(const float* x, int64_t v, float m, float thr, int64_t 
   keep_at_least(s, t);
 }
 
+// Top-p alone, from the histogram that the mass pass filled (masses of the entries with
+// x >= hist_low, hist_low >= max - 16 so every binned mass is > 0). The threshold lies in the
+// lowest non-empty bin whose top element is kept (select_topp_digit's rule); that bin is complete
+// when a non-empty bin lies below it, and then every entry below it has >= p * Z above. Returns
+// false when no bin below stops the scan (the threshold may lie under hist_low): the caller falls
+// back to the cut-off scan. Otherwise one pass collects that bin's entries, radix selection on
+// them gives the exact key, and one compress pass writes the support to `out`.
+bool select_top_p_from_histogram(const float* x, int64_t v, float m, double p, int64_t total, Scratch& s,
+                                 std::vector<int32_t>& out) {
+  int64_t* h = s.hist_mass.data();
+  for (int w = 1; w < kHistWays; ++w)
+    for (int b = 0; b < kHistBins; ++b) h[b] += h[w * kHistBins + b];
+  int chosen = -1;
+  int64_t cum = 0, above = 0;
+  bool bounded = false;
+  for (int b = kHistBins - 1; b >= 0; --b) {
+    if (h[b] == 0) continue;
+    if (!below_top_p(cum, p, total)) {
+      bounded = true;
+      break;
+    }
+    chosen = b;
+    above = cum;
+    cum += h[b];
+  }
+  if (!bounded) return false;
+  const uint64_t lo = uint64_t(chosen) << (32 - kHistBits), hi = lo + (uint64_t(1) << (32 - kHistBits));
+  const float vhi = hi >> 32 ? -kNegInf : key_value(static_cast<uint32_t>(hi));
+  s.bin_idx.clear();
+  collect_in_range(x, v, key_value(static_cast<uint32_t>(lo)), vhi, s.bin_idx);
+  gather_keys(x, s.bin_idx, s.bin_keys);
+  gather_masses(x, m, s.bin_idx, s.mass, nullptr);
+  const uint32_t t =
+      top_p_threshold_key(s.bin_keys.data(), s.mass.data(), s.bin_keys.size(), p, total, s.ka, s.ma, s.kb, s.mb, above);
+  if (s.ids.size() < static_cast<size_t>(v) + 8) s.ids.resize(v + 8);
+  const int64_t n = compress_at_least(x, v, key_value(t), s.ids.data());
+  out.insert(out.end(), s.ids.begin(), s.ids.begin() + n);
+  return true;
+}
+
 template <typename T>
 RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_logz, Scratch& s,
                       std::vector<int32_t>& out) {
@@ -189,6 +230,23 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   const float thr = with_min_p ? mr_add(m, det_log(prm.min_p)) : kLowestFinite;
   const bool use_top_p = top_p_active(prm.top_p);
   const int64_t k = prm.top_k;
+
+  // Top-p alone. Passes over the row (V entries, K kept, B in the threshold's bin; fp32 x):
+  // load (reads V logits; bf16/fp16 or T != 1 also writes V * 4 bytes of x), mass + histogram
+  // (reads x: exp of every entry, binning of the entries within 16 of the max), the threshold bin's
+  // entries (reads x, B ids), the support (reads x, writes K * 4 bytes of ids, copied twice more:
+  // into the chunk's list and into the output tensor). About 4 reads of x, all from cache for
+  // rows up to L2's size. The cut-off scan below is the fallback when the histogram cannot bound
+  // the threshold (it needs a second mass pass).
+  if (use_top_p && k <= 0) {
+    const float hist_low = std::max(thr, mr_add(m, -16.0f));
+    s.hist_mass.assign(kHistWays * kHistBins, 0);
+    const MassSums fused = mass_sums(x, v, m, &thr, with_min_p ? 1 : 0, s.hist_mass.data(), hist_low);
+    if (want_logz)
+      res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(fused.all) / kMassScaleD));
+    const int64_t total = with_min_p ? fused.above[0] : fused.all;
+    if (select_top_p_from_histogram(x, v, m, prm.top_p, total, s, out)) return res;
+  }
 
   // One pass of exact masses when top-p needs the survivors' total (or logz the row's). Cut-offs:
   // [min-p threshold,] then levels below the max (x units; exp(-16) ~ 1e-7 of the max's mass)

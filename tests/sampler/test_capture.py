@@ -233,6 +233,16 @@ def test_flat_rows_with_a_wide_top_p_do_not_depend_on_column_order(v, std, p, se
     assert torch.equal(permuted, dense[:, perm]), "the support depends on the column order"
 
 
+def test_top_p_threshold_more_than_16_below_the_max():
+    # The tail 17 below the max holds over 4% of the mass: the histogram of the entries within 16
+    # of the max cannot bound the top-p 0.99 threshold, so the kernel takes its cut-off scan.
+    g = torch.Generator().manual_seed(7)
+    x = torch.full((1, 1 << 20), -17.0) + torch.randn(1, 1 << 20, generator=g) * 0.3
+    x[0, 0] = 0.0
+    mask = assert_matches_reference(x, top_p=0.99)
+    assert 1 < mask.nnz < x.shape[1]
+
+
 # ---- sampled, logprobs, kept mass ------------------------------------------------------------------
 def test_sampled_logprobs_and_kept_mass():
     x = llm_like(32, 4000, seed=5)
