@@ -184,16 +184,39 @@ bool select_top_p_from_histogram(const float* x, int64_t v, float m, double p, i
   }
   if (!bounded) return false;
   const uint64_t lo = uint64_t(chosen) << (32 - kHistBits), hi = lo + (uint64_t(1) << (32 - kHistBits));
+  const float vlo = key_value(static_cast<uint32_t>(lo));
   const float vhi = hi >> 32 ? -kNegInf : key_value(static_cast<uint32_t>(hi));
+  if (s.ids.size() < static_cast<size_t>(v) + 8) s.ids.resize(v + 8);
+  int32_t* ids = s.ids.data();
+  // Every entry >= vlo has a mass >= vlo's, which bounds how many there are. Few (LLM rows: a
+  // handful of candidates): one compress pass collects them all and the bin is read from that
+  // list. Many (flat rows): walking the list costs more than a vectorised pass, so one pass
+  // collects the bin and a second compresses the support.
+  const double fewest_mass = static_cast<double>(mass_q(det_exp(mr_add(vlo, -m))));
+  const bool few = static_cast<double>(above + h[chosen]) <= 4096.0 * fewest_mass;
   s.bin_idx.clear();
-  collect_in_range(x, v, key_value(static_cast<uint32_t>(lo)), vhi, s.bin_idx);
+  int64_t n = 0;
+  if (few) {
+    n = compress_at_least(x, v, vlo, ids);
+    for (int64_t j = 0; j < n; ++j)
+      if (x[ids[j]] < vhi) s.bin_idx.push_back(ids[j]);
+  } else {
+    collect_in_range(x, v, vlo, vhi, s.bin_idx);
+  }
   gather_keys(x, s.bin_idx, s.bin_keys);
   gather_masses(x, m, s.bin_idx, s.mass, nullptr);
   const uint32_t t =
       top_p_threshold_key(s.bin_keys.data(), s.mass.data(), s.bin_keys.size(), p, total, s.ka, s.ma, s.kb, s.mb, above);
-  if (s.ids.size() < static_cast<size_t>(v) + 8) s.ids.resize(v + 8);
-  const int64_t n = compress_at_least(x, v, key_value(t), s.ids.data());
-  out.insert(out.end(), s.ids.begin(), s.ids.begin() + n);
+  const float tv = key_value(t);
+  if (few) {
+    int64_t w = 0;
+    for (int64_t j = 0; j < n; ++j)
+      if (x[ids[j]] >= tv) ids[w++] = ids[j];
+    n = w;
+  } else {
+    n = compress_at_least(x, v, tv, ids);
+  }
+  out.insert(out.end(), ids, ids + n);
   return true;
 }
 
