@@ -1,6 +1,7 @@
 """Capture speed against the sort-based path engines use, torch.softmax, torch.topk and a plain read (CPU).
 
     python benchmarks/bench_capture.py [--reps 15] [--cases llm,n1,n2] [--shapes 64x151936,...] [--no-sort]
+                                       [--threads 1]
 
 Prints medians (ms, all functions of a case run round-robin, so machine noise falls on all of them alike),
 ratios, and the bandwidth capture achieves against x.sum() (bytes of the logits / time). Cases:
@@ -87,13 +88,20 @@ def main():
     ap.add_argument("--shapes", default=None, help="NxV,... (overrides every case's shapes)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--no-sort", action="store_true", help="skip the (slow) sort-based path")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 keeps ratios steady on a shared machine: a 2-thread op waits for its "
+                         "slower thread whenever another process holds the other core)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         ap.error(f"--cases: unknown case {unknown[0]!r} (choose from {', '.join(CASES)})")
     override = args.shapes and [tuple(int(a) for a in s.split("x")) for s in args.shapes.split(",")]
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.reps} (ms)")
+    # The package measured: run from a worktree with PYTHONPATH=. or the installed copy is timed.
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.reps} (ms), "
+          f"mask_replay from {mask_replay.__file__}")
     print(f"load before: {load_average()}")
     hdr = (f"{'case':>4} {'shape':>14} {'dtype':>8} {'mode':>9} {'capture':>9} {'sort-path':>10} {'softmax':>9}"
            f" {'topk':>8} {'x.sum':>7} {'x sort':>7} {'/softmax':>9} {'/topk':>6} {'GB/s':>6} {'sum GB/s':>8}"
