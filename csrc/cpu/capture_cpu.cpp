@@ -7,7 +7,9 @@
 // top-p only once the buffer's mass reaches p * Z (before that, the buffer's top-p key is just
 // its smallest key, not a bound on the row's). The final radix selection runs over the buffer.
 // Top-p without top-k needs the survivors' total mass first: one vectorised pass of exact
-// fixed-point sums.
+// fixed-point sums, which also fills a histogram of the masses within 16 of the max; the
+// threshold's bin then comes from that histogram and only the bin's entries are radix-selected
+// (select_top_p_from_histogram). The filtering scan is top-p's fallback there.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
