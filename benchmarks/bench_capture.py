@@ -1,14 +1,19 @@
-"""Capture speed against the sort-based path engines use, torch.softmax and torch.topk (CPU).
+"""Capture speed against the sort-based path engines use, torch.softmax, torch.topk and a plain read (CPU).
 
-    python benchmarks/bench_capture.py [--reps 15] [--dist llm|flat] [--shapes 64x151936,...]
+    python benchmarks/bench_capture.py [--reps 15] [--cases llm,n1,n2] [--shapes 64x151936,...] [--no-sort]
+                                       [--threads 1]
 
-Prints medians (ms, all functions of a row run round-robin) and ratios. The logits are LLM-like by default (a
-few strong candidates over a
-long Gaussian tail, as LM heads produce: supports of a few to a few hundred tokens); --dist flat
-uses N(0, 1) rows, a worst case where top-p keeps most of the vocabulary.
+Prints medians (ms, all functions of a case run round-robin, so machine noise falls on all of them alike),
+ratios, and the bandwidth capture achieves against x.sum() (bytes of the logits / time). Cases:
+- llm: LLM-like logits (a few strong candidates over a long Gaussian tail, as LM heads produce: supports of a
+  few to a few hundred tokens) on SHAPES;
+- n1, n2: N(0, 1) and N(0, 2) rows on WIDE_SHAPES, the worst case where top-p keeps most of the vocabulary
+  (base models at temperature 1, high-entropy positions).
+Goals (issue 21): capture <= 2x softmax of the same tensor for top-p 0.95, <= 1.0x torch.topk for top-k 50.
 """
 import argparse
 import statistics
+import subprocess
 import time
 
 import torch
@@ -16,6 +21,8 @@ import torch
 import mask_replay
 
 SHAPES = [(1, 151936), (64, 151936), (256, 32000), (16, 256000)]
+WIDE_SHAPES = [(64, 151936), (16, 256000)]
+CASES = {"llm": SHAPES, "n1": WIDE_SHAPES, "n2": WIDE_SHAPES}
 
 
 def llm_logits(n, v, dtype, seed=0):
@@ -29,6 +36,13 @@ def llm_logits(n, v, dtype, seed=0):
     vals = 18.0 - torch.arange(k).float() * 0.6 + torch.randn(n, k, generator=g) * 1.5
     x.scatter_(1, heads, vals)
     return x.to(dtype)
+
+
+def case_logits(case, n, v, dtype, seed=0):
+    if case == "llm":
+        return llm_logits(n, v, dtype, seed)
+    std = {"n1": 1.0, "n2": 2.0}[case]
+    return (torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * std).to(dtype)
 
 
 def sort_based_top_p(x, p):
@@ -48,8 +62,7 @@ def sort_based_top_k(x, k):
 
 
 def median_ms(fns, reps):
-    """Median time (ms) of each function, run round-robin so that machine noise and cache state
-    fall on all of them alike."""
+    """Median time (ms) of each function, run round-robin."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
@@ -61,35 +74,62 @@ def median_ms(fns, reps):
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
+def load_average():
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:  # uptime missing: the figure is informative only
+        return "uptime unavailable"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--dist", choices=["llm", "flat"], default="llm")
-    ap.add_argument("--shapes", default=",".join(f"{n}x{v}" for n, v in SHAPES))
+    ap.add_argument("--cases", default=",".join(CASES), help="comma list of llm, n1, n2")
+    ap.add_argument("--shapes", default=None, help="NxV,... (overrides every case's shapes)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--no-sort", action="store_true", help="skip the (slow) sort-based path")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 keeps ratios steady on a shared machine: a 2-thread op waits for its "
+                         "slower thread whenever another process holds the other core)")
     args = ap.parse_args()
-    shapes = [tuple(int(a) for a in s.split("x")) for s in args.shapes.split(",")]
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dist {args.dist}, "
-          f"median of {args.reps} (ms)")
-    hdr = f"{'shape':>14} {'dtype':>8} {'mode':>9} {'capture':>9} {'sort-path':>10} {'softmax':>9} {'topk':>8}" \
-          f" {'x sort':>8} {'/softmax':>9} {'/topk':>7} {'mean|K|':>8}"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown case {unknown[0]!r} (choose from {', '.join(CASES)})")
+    override = args.shapes and [tuple(int(a) for a in s.split("x")) for s in args.shapes.split(",")]
+    # The package measured: run from a worktree with PYTHONPATH=. or the installed copy is timed.
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.reps} (ms), "
+          f"mask_replay from {mask_replay.__file__}")
+    print(f"load before: {load_average()}")
+    hdr = (f"{'case':>4} {'shape':>14} {'dtype':>8} {'mode':>9} {'capture':>9} {'sort-path':>10} {'softmax':>9}"
+           f" {'topk':>8} {'x.sum':>7} {'x sort':>7} {'/softmax':>9} {'/topk':>6} {'GB/s':>6} {'sum GB/s':>8}"
+           f" {'mean|K|':>9}")
     print(hdr)
-    for n, v in shapes:
-        for dname in args.dtypes.split(","):
-            dtype = getattr(torch, dname)
-            x = llm_logits(n, v, dtype) if args.dist == "llm" else torch.randn(n, v).to(dtype)
-            for mode, kw in (("top_p.95", {"top_p": 0.95}), ("top_k50", {"top_k": 50})):
-                fns = {"capture": lambda: mask_replay.capture(x, **kw), "softmax": lambda: torch.softmax(x, dim=-1)}
-                if "top_p" in kw:
-                    fns["sort"] = lambda: sort_based_top_p(x, 0.95)
-                else:
-                    fns["sort"] = lambda: sort_based_top_k(x, 50)
-                    fns["topk"] = lambda: torch.topk(x, 50, dim=-1)
-                t = median_ms(fns, args.reps)
-                cap, sm, srt, tk = t["capture"], t["softmax"], t["sort"], t.get("topk", float("nan"))
-                k = mask_replay.capture(x, **kw).lengths().float().mean().item()
-                print(f"{f'[{n},{v}]':>14} {dname:>8} {mode:>9} {cap:9.3f} {srt:10.3f} {sm:9.3f} {tk:8.3f}"
-                      f" {srt / cap:8.1f} {cap / sm:9.2f} {cap / tk if tk == tk else float('nan'):7.2f} {k:8.1f}")
+    for case in cases:
+        for n, v in override or CASES[case]:
+            for dname in args.dtypes.split(","):
+                dtype = getattr(torch, dname)
+                x = case_logits(case, n, v, dtype)
+                gbytes = x.numel() * x.element_size() / 1e9
+                for mode, kw in (("top_p.95", {"top_p": 0.95}), ("top_k50", {"top_k": 50})):
+                    fns = {"capture": lambda: mask_replay.capture(x, **kw),
+                           "softmax": lambda: torch.softmax(x, dim=-1), "sum": lambda: x.sum()}
+                    if "top_k" in kw:
+                        fns["topk"] = lambda: torch.topk(x, 50, dim=-1)
+                    if not args.no_sort:
+                        fns["sort"] = (lambda: sort_based_top_p(x, 0.95)) if "top_p" in kw else \
+                            (lambda: sort_based_top_k(x, 50))
+                    t = median_ms(fns, args.reps)
+                    nan = float("nan")
+                    cap, sm, sm_sum = t["capture"], t["softmax"], t["sum"]
+                    srt, tk = t.get("sort", nan), t.get("topk", nan)
+                    k = mask_replay.capture(x, **kw).lengths().float().mean().item()
+                    print(f"{case:>4} {f'[{n},{v}]':>14} {dname:>8} {mode:>9} {cap:9.3f} {srt:10.3f} {sm:9.3f}"
+                          f" {tk:8.3f} {sm_sum:7.3f} {srt / cap:7.1f} {cap / sm:9.2f} {cap / tk:6.2f}"
+                          f" {gbytes / cap * 1e3:6.1f} {gbytes / sm_sum * 1e3:8.1f} {k:9.1f}")
+    print(f"load after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,14 @@
 //
 // Per row: one pass converts and divides by T, finds the max and checks for NaN/+inf. A filtering
 // scan then keeps the indices with x >= tau in a small buffer; whenever the buffer fills, radix
-// selection on the buffer raises tau (count-based for top-k, mass-based for top-p), which is
-// safe because the k-th largest (or the top-p threshold) of a subset never exceeds that of the
-// whole row. The final radix selection runs over the buffer alone. Top-p without top-k needs the
-// survivors' total mass first: one vectorised pass of exact fixed-point sums.
+// selection on the buffer raises tau (count-based for top-k, mass-based for top-p). That is safe
+// for top-k because the k-th largest of a subset of >= k entries never exceeds the row's; for
+// top-p only once the buffer's mass reaches p * Z (before that, the buffer's top-p key is just
+// its smallest key, not a bound on the row's). The final radix selection runs over the buffer.
+// Top-p without top-k needs the survivors' total mass first: one vectorised pass of exact
+// fixed-point sums, which also fills a histogram of the masses within 16 of the max; the
+// threshold's bin then comes from that histogram and only the bin's entries are radix-selected
+// (select_top_p_from_histogram). The filtering scan is top-p's fallback there.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,6 +35,7 @@ struct Scratch {
   std::vector<int32_t> cand, bin_idx;
   std::vector<uint32_t> keys, ka, kb, bin_keys;
   std::vector<int64_t> mass, ma, mb, hist_count, hist_mass;
+  std::vector<int32_t> ids;  // compressed output of one row; sized v + 8, never shrunk
 };
 
 // Per-thread buffers that live across calls: fresh row-sized allocations would page-fault on every
@@ -154,6 +159,69 @@ void select_by_histogram(const float* x, int64_t v, float m, float thr, int64_t 
   keep_at_least(s, t);
 }
 
+// Top-p alone, from the histogram that the mass pass filled (masses of the entries with
+// x >= hist_low, hist_low >= max - 16 so every binned mass is > 0). The threshold lies in the
+// lowest non-empty bin whose top element is kept (select_topp_digit's rule); that bin is complete
+// when a non-empty bin lies below it, and then every entry below it has >= p * Z above. Returns
+// false when no bin below stops the scan (the threshold may lie under hist_low): the caller falls
+// back to the cut-off scan. Otherwise one pass collects that bin's entries, radix selection on
+// them gives the exact key, and one compress pass writes the support to `out`.
+bool select_top_p_from_histogram(const float* x, int64_t v, float m, double p, int64_t total, Scratch& s,
+                                 std::vector<int32_t>& out) {
+  int64_t* h = s.hist_mass.data();
+  for (int w = 1; w < kHistWays; ++w)
+    for (int b = 0; b < kHistBins; ++b) h[b] += h[w * kHistBins + b];
+  int chosen = -1;
+  int64_t cum = 0, above = 0;
+  bool bounded = false;
+  for (int b = kHistBins - 1; b >= 0; --b) {
+    if (h[b] == 0) continue;
+    if (!below_top_p(cum, p, total)) {
+      bounded = true;
+      break;
+    }
+    chosen = b;
+    above = cum;
+    cum += h[b];
+  }
+  if (!bounded) return false;
+  const uint64_t lo = uint64_t(chosen) << (32 - kHistBits), hi = lo + (uint64_t(1) << (32 - kHistBits));
+  const float vlo = key_value(static_cast<uint32_t>(lo));
+  const float vhi = hi >> 32 ? -kNegInf : key_value(static_cast<uint32_t>(hi));
+  if (s.ids.size() < static_cast<size_t>(v) + 8) s.ids.resize(v + 8);
+  int32_t* ids = s.ids.data();
+  // Every entry >= vlo has a mass >= vlo's, which bounds how many there are. Few (LLM rows: a
+  // handful of candidates): one compress pass collects them all and the bin is read from that
+  // list. Many (flat rows): walking the list costs more than a vectorised pass, so one pass
+  // collects the bin and a second compresses the support.
+  const double fewest_mass = static_cast<double>(mass_q(det_exp(mr_add(vlo, -m))));
+  const bool few = static_cast<double>(above + h[chosen]) <= 4096.0 * fewest_mass;
+  s.bin_idx.clear();
+  int64_t n = 0;
+  if (few) {
+    n = compress_at_least(x, v, vlo, ids);
+    for (int64_t j = 0; j < n; ++j)
+      if (x[ids[j]] < vhi) s.bin_idx.push_back(ids[j]);
+  } else {
+    collect_in_range(x, v, vlo, vhi, s.bin_idx);
+  }
+  gather_keys(x, s.bin_idx, s.bin_keys);
+  gather_masses(x, m, s.bin_idx, s.mass, nullptr);
+  const uint32_t t =
+      top_p_threshold_key(s.bin_keys.data(), s.mass.data(), s.bin_keys.size(), p, total, s.ka, s.ma, s.kb, s.mb, above);
+  const float tv = key_value(t);
+  if (few) {
+    int64_t w = 0;
+    for (int64_t j = 0; j < n; ++j)
+      if (x[ids[j]] >= tv) ids[w++] = ids[j];
+    n = w;
+  } else {
+    n = compress_at_least(x, v, tv, ids);
+  }
+  out.insert(out.end(), ids, ids + n);
+  return true;
+}
+
 template <typename T>
 RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_logz, Scratch& s,
                       std::vector<int32_t>& out) {
@@ -187,6 +255,23 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   const float thr = with_min_p ? mr_add(m, det_log(prm.min_p)) : kLowestFinite;
   const bool use_top_p = top_p_active(prm.top_p);
   const int64_t k = prm.top_k;
+
+  // Top-p alone. Passes over the row (V entries, K kept, B in the threshold's bin; fp32 x):
+  // load (reads V logits; bf16/fp16 or T != 1 also writes V * 4 bytes of x), mass + histogram
+  // (reads x: exp of every entry, binning of the entries within 16 of the max), the threshold bin's
+  // entries (reads x, B ids), the support (reads x, writes K * 4 bytes of ids, copied twice more:
+  // into the chunk's list and into the output tensor). About 4 reads of x, all from cache for
+  // rows up to L2's size. The cut-off scan below is the fallback when the histogram cannot bound
+  // the threshold (it needs a second mass pass).
+  if (use_top_p && k <= 0) {
+    const float hist_low = std::max(thr, mr_add(m, -16.0f));
+    s.hist_mass.assign(kHistWays * kHistBins, 0);
+    const MassSums fused = mass_sums(x, v, m, &thr, with_min_p ? 1 : 0, s.hist_mass.data(), hist_low);
+    if (want_logz)
+      res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(fused.all) / kMassScaleD));
+    const int64_t total = with_min_p ? fused.above[0] : fused.all;
+    if (select_top_p_from_histogram(x, v, m, prm.top_p, total, s, out)) return res;
+  }
 
   // One pass of exact masses when top-p needs the survivors' total (or logz the row's). Cut-offs:
   // [min-p threshold,] then levels below the max (x units; exp(-16) ~ 1e-7 of the max's mass)
@@ -224,11 +309,6 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
     }
   } else if (use_top_p) {
     const int64_t total = with_min_p ? sums.above[0] : sums.all;  // -inf entries have no mass
-    auto raise = [&](Scratch& sc) {
-      gather_masses(x, m, sc.cand, sc.mass, nullptr);
-      return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma, sc.kb,
-                                 sc.mb);
-    };
     // Entries below a cut-off whose upper part already holds p * Z have at least that much mass
     // strictly above them: none of them can be kept, so the scan starts at the highest such cut.
     float start = thr;
@@ -238,6 +318,18 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
         break;
       }
     }
+    // The buffer's own top-p key t may only become the scan's threshold once the buffer's mass
+    // reaches p * Z: then every x < t has at least p * Z strictly above it in the buffer alone, so
+    // it is dropped whatever the rest of the row holds. Below that mass, t is merely the buffer's
+    // smallest key, and raising tau to it would drop later columns that the row keeps (the kept
+    // set then depended on the column order). The final call sees every x >= tau, so its t is exact.
+    auto raise = [&](Scratch& sc) {
+      int64_t buffer_mass = 0;
+      gather_masses(x, m, sc.cand, sc.mass, &buffer_mass);
+      if (below_top_p(buffer_mass, prm.top_p, total)) return order_key(start);
+      return top_p_threshold_key(sc.keys.data(), sc.mass.data(), sc.keys.size(), prm.top_p, total, sc.ka, sc.ma, sc.kb,
+                                 sc.mb);
+    };
     // Every mass is at most the max's (1.0 in these units), so the support holds at least
     // p * total / 2^40 tokens: past the filter's limit, go straight to the histogram.
     const bool wide = prm.top_p * (static_cast<double>(total) / kMassScaleD) > 4096.0;

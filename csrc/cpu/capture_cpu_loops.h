@@ -155,23 +155,33 @@ inline double sum_exp_shifted(const float* x, int64_t n, float m) {
   return total;
 }
 
+// Histogram bins: the top kHistBits of order_key (sign, exponent, two mantissa bits).
+constexpr int kHistBits = 11;
+constexpr int kHistBins = 1 << kHistBits;
+// Neighbouring lanes often hit the same bin; separate copies break the store-to-load chains.
+constexpr int kHistWays = 4;
+
 // Exact fixed-point masses (kernel_math.h) of all entries and of the entries with x >= cut[j],
 // for up to kCuts cut-offs (the survivors' threshold, and levels below the max from which top-p
 // may start its scan). The all-entries sum is vectorised; entries at or above the lowest cut-off
 // are rare in LLM rows (a few tokens within 16 nats of the max), so they are added lane by lane.
+// With `hist` (kHistWays * kHistBins zeroed entries), the masses of the entries with
+// x >= hist_low are also added to their histogram bin (way = lane & 3), in the same pass.
 constexpr int kCuts = 4;
 struct MassSums {
   int64_t all = 0;
   int64_t above[kCuts] = {0, 0, 0, 0};
 };
 
-inline MassSums mass_sums(const float* x, int64_t v, float m, const float* cut, int ncut) {
+inline MassSums mass_sums(const float* x, int64_t v, float m, const float* cut, int ncut, int64_t* hist = nullptr,
+                          float hist_low = -kNegInf) {
   MassSums s;
-  float low = -kNegInf;
+  float low = hist ? hist_low : -kNegInf;
   for (int j = 0; j < ncut; ++j) low = std::min(low, cut[j]);
-  auto add_levels = [&](float xi, int64_t q) {
+  auto add_levels = [&](float xi, int64_t q, int way) {
     for (int j = 0; j < ncut; ++j)
       if (xi >= cut[j]) s.above[j] += q;
+    if (hist && xi >= hist_low) hist[(order_key(xi) >> (32 - kHistBits)) + way * kHistBins] += q;
   };
   int64_t i = 0;
 #if MR_CPU_AVX2
@@ -181,6 +191,11 @@ inline MassSums mass_sums(const float* x, int64_t v, float m, const float* cut, 
   constexpr int64_t kFlush = 4096;
   alignas(32) double t[4];
   alignas(32) float qs[8];
+  alignas(32) uint32_t bins[8];
+  const __m256 hist_low8 = _mm256_set1_ps(hist_low);
+  const __m256i way8 = _mm256_setr_epi32(0, kHistBins, 2 * kHistBins, 3 * kHistBins, 0, kHistBins, 2 * kHistBins,
+                                         3 * kHistBins);  // way = lane & 3, as in add_levels
+  static_assert(kHistWays == 4, "way8 spells out four ways");
   while (i + 8 <= v) {
     __m256d all_lo = _mm256_setzero_pd(), all_hi = _mm256_setzero_pd();
     const int64_t stop = std::min<int64_t>(v - 7, i + 8 * kFlush);
@@ -192,11 +207,28 @@ inline MassSums mass_sums(const float* x, int64_t v, float m, const float* cut, 
       hi = _mm256_add_pd(hi, _mm256_round_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)), mode));
       unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x8, low8, _CMP_GE_OQ)));
       if (!bits) return;
-      _mm256_store_ps(qs, q);
+      _mm256_store_ps(qs, q);  // below, truncation to int64 = the floor above
+      if (hist) {
+        // Bins computed 8 at a time; flat rows bin every lane, so that case skips the bit loop.
+        unsigned hb = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x8, hist_low8, _CMP_GE_OQ)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bins),
+                           _mm256_add_epi32(_mm256_srli_epi32(order_key8(x8), 32 - kHistBits), way8));
+        if (hb == 0xffu) {
+          for (int j = 0; j < 8; ++j) hist[bins[j]] += static_cast<int64_t>(qs[j]);
+        } else {
+          while (hb) {
+            const int j = __builtin_ctz(hb);
+            hb &= hb - 1;
+            hist[bins[j]] += static_cast<int64_t>(qs[j]);
+          }
+        }
+      }
+      if (ncut == 0) return;
       while (bits) {
         const int j = __builtin_ctz(bits);
         bits &= bits - 1;
-        add_levels(x[at + j], static_cast<int64_t>(qs[j]));  // truncation = the floor above
+        for (int c = 0; c < ncut; ++c)
+          if (x[at + j] >= cut[c]) s.above[c] += static_cast<int64_t>(qs[j]);
       }
     };
     // Two independent exp chains per iteration: the polynomial is latency bound.
@@ -217,7 +249,7 @@ inline MassSums mass_sums(const float* x, int64_t v, float m, const float* cut, 
   for (; i < v; ++i) {
     const int64_t q = mass_q(det_exp(mr_add(x[i], -m)));
     s.all += q;
-    add_levels(x[i], q);
+    add_levels(x[i], q, 0);
   }
   return s;
 }
@@ -248,13 +280,64 @@ inline int64_t scan_at_least(const float* x, int64_t begin, int64_t v, float tau
   return v;
 }
 
+// Appends to `out` every index i with lo <= x[i] < hi (the elements of one histogram bin).
+inline void collect_in_range(const float* x, int64_t v, float lo, float hi, std::vector<int32_t>& out) {
+  int64_t i = 0;
+#if MR_CPU_AVX2
+  const __m256 lo8 = _mm256_set1_ps(lo), hi8 = _mm256_set1_ps(hi);
+  for (; i + 8 <= v; i += 8) {
+    const __m256 x8 = _mm256_loadu_ps(x + i);
+    unsigned bits = static_cast<unsigned>(
+        _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(x8, lo8, _CMP_GE_OQ), _mm256_cmp_ps(x8, hi8, _CMP_LT_OQ))));
+    while (bits) {
+      out.push_back(static_cast<int32_t>(i + __builtin_ctz(bits)));
+      bits &= bits - 1;
+    }
+  }
+#endif
+  for (; i < v; ++i)
+    if (x[i] >= lo && x[i] < hi) out.push_back(static_cast<int32_t>(i));
+}
+
+#if MR_CPU_AVX2
+// For each 8-bit lane mask, the positions of its set bits packed to the front (compress table).
+struct CompressTable {
+  alignas(32) int32_t pos[256][8];
+  CompressTable() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int w = 0;
+      for (int j = 0; j < 8; ++j)
+        if (mask >> j & 1) pos[mask][w++] = j;
+      while (w < 8) pos[mask][w++] = 0;
+    }
+  }
+};
+#endif
+
+// Writes every index i with x[i] >= tau to dst, ascending; returns how many. dst must have room
+// for v + 8 entries (the vector body stores whole lanes past the count).
+inline int64_t compress_at_least(const float* x, int64_t v, float tau, int32_t* dst) {
+  int64_t i = 0, n = 0;
+#if MR_CPU_AVX2
+  static const CompressTable table;
+  const __m256 tau8 = _mm256_set1_ps(tau);
+  for (; i + 8 <= v; i += 8) {
+    const unsigned bits =
+        static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tau8, _CMP_GE_OQ)));
+    const __m256i pos = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.pos[bits]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + n),
+                        _mm256_add_epi32(pos, _mm256_set1_epi32(static_cast<int32_t>(i))));
+    n += __builtin_popcount(bits);
+  }
+#endif
+  for (; i < v; ++i)
+    if (x[i] >= tau) dst[n++] = static_cast<int32_t>(i);
+  return n;
+}
+
 // Coarse histogram over the top kHistBits of the survivors' keys (x >= thr), with counts and,
 // when `mass` is given, exact fixed-point masses. Used when the support is too wide for the
 // filtering scan to stay small (flat distributions, large k).
-constexpr int kHistBits = 11;
-constexpr int kHistBins = 1 << kHistBits;
-// Neighbouring lanes often hit the same bin; separate copies break the store-to-load chains.
-constexpr int kHistWays = 4;
 
 // count and mass hold kHistWays * kHistBins zeroed entries; the result is in the first kHistBins.
 inline void histogram_row(const float* x, int64_t v, float m, float thr, int64_t* count, int64_t* mass) {

@@ -262,6 +262,147 @@ __device__ __forceinline__ void add_to_bin(unsigned int* count, unsigned long lo
 }
 
 // ---------------------------------------------------------------------------------------------
+// The parts of one radix pass (select_kernel below), in the order it runs them.
+
+// Histogram of the candidate buffer (one block reads it): the entries inside the current bucket.
+template <bool TOPP>
+__device__ __forceinline__ void histogram_buffer(const RowState* st, const unsigned int* ck,
+                                                 const unsigned long long* cm, unsigned int pmask, unsigned int prefix,
+                                                 int pass, unsigned int* s_count, unsigned long long* s_mass) {
+  const int64_t nc = st->cand_count;
+  for (int64_t j = threadIdx.x; j < nc; j += blockDim.x) {
+    const unsigned int key = ck[j];
+    if ((key & pmask) != prefix) continue;
+    add_to_bin<TOPP>(s_count, s_mass, radix_digit(key, pass), TOPP ? cm[j] : 0ull);
+  }
+}
+
+// Histogram of this block's slice of the row: the finite entries >= lo inside the current bucket
+// (copied to the candidate buffer while it collects). Returns this thread's share of logz's
+// normaliser when logz_here (exact fixed-point sum, as the CPU kernel takes it).
+template <typename scalar_t, bool TOPP>
+__device__ __forceinline__ unsigned long long histogram_slice(const scalar_t* z, const Slice& sl, float t, float neg_m,
+                                                              bool logz_here, bool on, bool collect, unsigned int lo,
+                                                              unsigned int pmask, unsigned int prefix, int pass,
+                                                              RowState* st, int64_t cand_cap, unsigned int* ck,
+                                                              unsigned long long* cm, unsigned int* s_count,
+                                                              unsigned long long* s_mass) {
+  unsigned long long local = 0;
+  for_each_in_slice(z, sl.begin, sl.end, threadIdx.x, blockDim.x, [&](int64_t, float v) {
+    const float x = mr_div(v, t);
+    if (!isfinite(x)) return;
+    if (logz_here) local += static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m))));
+    if (!on) return;
+    const unsigned int key = order_key(x);
+    if (key < lo || (key & pmask) != prefix) return;
+    const unsigned long long q = TOPP ? static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m)))) : 0ull;
+    add_to_bin<TOPP>(s_count, s_mass, radix_digit(key, pass), q);
+    if (collect) {
+      const unsigned int pos = atomicAdd(&st->cand_count, 1u);
+      if (pos < cand_cap) {  // always, as the previous pass counted this bucket
+        ck[pos] = key;
+        if (TOPP) cm[pos] = q;
+      }
+    }
+  });
+  return local;
+}
+
+// Rows split over several blocks: adds this block's histogram (and logz sum) to the row's in
+// global memory. Returns true in the last block to finish, which then holds the merged histogram
+// in shared memory (and the row's logz sum in block_sum) and leaves zeros behind for the next pass.
+template <bool TOPP>
+__device__ __forceinline__ bool merge_row_histogram(const Geometry& g, const Slice& sl, RowState* st, bool on,
+                                                    bool logz_here, unsigned int* g_count, unsigned long long* g_mass,
+                                                    unsigned int* s_count, unsigned long long* s_mass,
+                                                    unsigned long long& block_sum, bool& last) {
+  unsigned int* gc = g_count + sl.row * kRadixBins;
+  unsigned long long* gm = g_mass + sl.row * kRadixBins;
+  if (on) {
+    for (int d = static_cast<int>(threadIdx.x); d < kRadixBins; d += kThreads) {
+      if (s_count[d]) atomicAdd(&gc[d], s_count[d]);
+      if (TOPP && s_mass[d]) atomicAdd(&gm[d], s_mass[d]);
+    }
+  }
+  if (logz_here && threadIdx.x == 0 && block_sum) atomicAdd(&st->mass_all, block_sum);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&st->done, 1u) == static_cast<unsigned int>(g.blocks_per_row - 1);
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  if (on) {
+    for (int d = static_cast<int>(threadIdx.x); d < kRadixBins; d += kThreads) {
+      s_count[d] = atomicExch(&gc[d], 0u);
+      if (TOPP) s_mass[d] = atomicExch(&gm[d], 0ull);
+    }
+  }
+  __syncthreads();
+  if (logz_here && threadIdx.x == 0) block_sum = atomicAdd(&st->mass_all, 0ull);
+  return true;
+}
+
+// A digit that cannot be chosen (or a candidate buffer that overran) stops the row's selection.
+__device__ __forceinline__ void fail_selection(RowState* st, int64_t row, int* on_flag, int64_t* status_out) {
+  st->status = kInternal;
+  status_out[row] = kInternal;
+  *on_flag = 0;
+}
+
+// Top-k decision of one pass (thread 0 of the deciding block): the digit holding the k-th key.
+// Pass 0 first learns |S0|: k >= |S0| keeps everything.
+__device__ __forceinline__ void decide_topk(RowState* st, const unsigned int* s_count, int pass, int cstate,
+                                            int64_t cand_cap, int64_t row, int64_t* status_out) {
+  if (pass == 0) {
+    int64_t total = 0;
+    for (int d = 0; d < kRadixBins; ++d) total += s_count[d];
+    if (!(st->kneed < total)) {
+      st->topk_on = 0;
+      return;
+    }
+  }
+  int64_t need = st->kneed;
+  const int d = select_topk_digit(s_count, need);
+  if (d < 0 || !advance_candidates(st, 0, cstate, pass, s_count[d], cand_cap)) {
+    fail_selection(st, row, &st->topk_on, status_out);
+    return;
+  }
+  st->kneed = need;
+  const unsigned int pre = st->prefix_k | (static_cast<unsigned int>(d) << (24 - 8 * pass));
+  st->prefix_k = pre;
+  if (pass == 3) {
+    st->k1 = pre;
+    // No reset of the candidate state here: in a buffered pass the row's other blocks may be
+    // reading topk_on and the state right now, and a stale topk_on next to a reset state sent
+    // them into a full-row pass whose histogram and done count no block ever cleared.
+    st->topk_on = 0;
+  }
+}
+
+// Top-p decision of one pass: the digit holding the smallest kept key. Pass 0 learns Z.
+__device__ __forceinline__ void decide_topp(RowState* st, const unsigned int* s_count, const unsigned long long* s_mass,
+                                            int pass, int cstate, int64_t cand_cap, double p, int64_t row,
+                                            int64_t* status_out) {
+  if (pass == 0) {
+    unsigned long long total = 0;
+    for (int d = 0; d < kRadixBins; ++d) total += s_mass[d];
+    st->total_mass = static_cast<long long>(total);
+  }
+  int64_t above = st->mass_above;
+  const int d = select_topp_digit(s_count, s_mass, above, p, st->total_mass);
+  if (d < 0 || !advance_candidates(st, 1, cstate, pass, s_count[d], cand_cap)) {
+    fail_selection(st, row, &st->topp_on, status_out);
+    return;
+  }
+  st->mass_above = above;
+  const unsigned int pre = st->prefix_p | (static_cast<unsigned int>(d) << (24 - 8 * pass));
+  st->prefix_p = pre;
+  if (pass == 3) {
+    st->k2 = pre;
+    st->topp_on = 0;
+  }
+}
+
 // One radix pass of the top-k (TOPP = false) or top-p (TOPP = true) selection. Pass 0 of top-k
 // also sums the normaliser for logz and learns |S0|, which decides whether top-k is active.
 template <typename scalar_t, bool TOPP>
@@ -303,64 +444,20 @@ __global__ void __launch_bounds__(kThreads)
 
   unsigned int* ck = cand_key + sl.row * g.cand_cap;
   unsigned long long* cm = cand_mass + sl.row * g.cand_cap;
-  unsigned long long local = 0;  // logz: exact fixed-point sum, as the CPU kernel takes it
+  unsigned long long local = 0;
   if (buffered) {
-    const int64_t nc = st->cand_count;
-    for (int64_t j = threadIdx.x; j < nc; j += blockDim.x) {
-      const unsigned int key = ck[j];
-      if ((key & pmask) != prefix) continue;
-      add_to_bin<TOPP>(s_count, s_mass, radix_digit(key, pass), TOPP ? cm[j] : 0ull);
-    }
+    histogram_buffer<TOPP>(st, ck, cm, pmask, prefix, pass, s_count, s_mass);
   } else {
-    const bool collect = cstate == kCandCollect;
-    for_each_in_slice(z, sl.begin, sl.end, threadIdx.x, blockDim.x, [&](int64_t, float v) {
-      const float x = mr_div(v, t);
-      if (!isfinite(x)) return;
-      if (logz_here) local += static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m))));
-      if (!on) return;
-      const unsigned int key = order_key(x);
-      if (key < lo || (key & pmask) != prefix) return;
-      const unsigned long long q = TOPP ? static_cast<unsigned long long>(mass_q(det_exp(mr_add(x, neg_m)))) : 0ull;
-      add_to_bin<TOPP>(s_count, s_mass, radix_digit(key, pass), q);
-      if (collect) {
-        const unsigned int pos = atomicAdd(&st->cand_count, 1u);
-        if (pos < g.cand_cap) {  // always, as the previous pass counted this bucket
-          ck[pos] = key;
-          if (TOPP) cm[pos] = q;
-        }
-      }
-    });
+    local = histogram_slice<scalar_t, TOPP>(z, sl, t, neg_m, logz_here, on, cstate == kCandCollect, lo, pmask, prefix,
+                                            pass, st, g.cand_cap, ck, cm, s_count, s_mass);
   }
   unsigned long long block_sum = 0;
   if (logz_here) block_sum = Reduce(reduce_tmp).Sum(local);
   __syncthreads();
 
-  if (g.blocks_per_row > 1 && !buffered) {
-    unsigned int* gc = g_count + sl.row * kRadixBins;
-    unsigned long long* gm = g_mass + sl.row * kRadixBins;
-    if (on) {
-      for (int d = static_cast<int>(threadIdx.x); d < kRadixBins; d += kThreads) {
-        if (s_count[d]) atomicAdd(&gc[d], s_count[d]);
-        if (TOPP && s_mass[d]) atomicAdd(&gm[d], s_mass[d]);
-      }
-    }
-    if (logz_here && threadIdx.x == 0 && block_sum) atomicAdd(&st->mass_all, block_sum);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&st->done, 1u) == static_cast<unsigned int>(g.blocks_per_row - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // Read the merged histogram and leave zeros behind for the next pass.
-    if (on) {
-      for (int d = static_cast<int>(threadIdx.x); d < kRadixBins; d += kThreads) {
-        s_count[d] = atomicExch(&gc[d], 0u);
-        if (TOPP) s_mass[d] = atomicExch(&gm[d], 0ull);
-      }
-    }
-    __syncthreads();
-    if (logz_here && threadIdx.x == 0) block_sum = atomicAdd(&st->mass_all, 0ull);
-  }
+  if (g.blocks_per_row > 1 && !buffered &&
+      !merge_row_histogram<TOPP>(g, sl, st, on, logz_here, g_count, g_mass, s_count, s_mass, block_sum, last))
+    return;
   if (threadIdx.x != 0) return;
   st->done = 0;
   if (logz_here) {
@@ -368,55 +465,10 @@ __global__ void __launch_bounds__(kThreads)
     logz_out[sl.row] = static_cast<float>(static_cast<double>(m) + log(all / kMassScaleD));
   }
   if (!on) return;
-
-  if (!TOPP) {
-    if (pass == 0) {
-      int64_t total = 0;
-      for (int d = 0; d < kRadixBins; ++d) total += s_count[d];
-      if (!(st->kneed < total)) {  // k >= |S0|: top-k keeps everything
-        st->topk_on = 0;
-        return;
-      }
-    }
-    int64_t need = st->kneed;
-    const int d = select_topk_digit(s_count, need);
-    if (d < 0 || !advance_candidates(st, 0, cstate, pass, s_count[d], g.cand_cap)) {
-      st->status = kInternal;
-      status_out[sl.row] = kInternal;
-      st->topk_on = 0;
-      return;
-    }
-    st->kneed = need;
-    const unsigned int pre = st->prefix_k | (static_cast<unsigned int>(d) << (24 - 8 * pass));
-    st->prefix_k = pre;
-    if (pass == 3) {
-      st->k1 = pre;
-      // No reset of the candidate state here: in a buffered pass the row's other blocks may be
-      // reading topk_on and the state right now, and a stale topk_on next to a reset state sent
-      // them into a full-row pass whose histogram and done count no block ever cleared.
-      st->topk_on = 0;
-    }
+  if (TOPP) {
+    decide_topp(st, s_count, s_mass, pass, cstate, g.cand_cap, top_p[sl.row], sl.row, status_out);
   } else {
-    if (pass == 0) {
-      unsigned long long total = 0;
-      for (int d = 0; d < kRadixBins; ++d) total += s_mass[d];
-      st->total_mass = static_cast<long long>(total);
-    }
-    int64_t above = st->mass_above;
-    const int d = select_topp_digit(s_count, s_mass, above, top_p[sl.row], st->total_mass);
-    if (d < 0 || !advance_candidates(st, 1, cstate, pass, s_count[d], g.cand_cap)) {
-      st->status = kInternal;
-      status_out[sl.row] = kInternal;
-      st->topp_on = 0;
-      return;
-    }
-    st->mass_above = above;
-    const unsigned int pre = st->prefix_p | (static_cast<unsigned int>(d) << (24 - 8 * pass));
-    st->prefix_p = pre;
-    if (pass == 3) {
-      st->k2 = pre;
-      st->topp_on = 0;
-    }
+    decide_topk(st, s_count, pass, cstate, g.cand_cap, sl.row, status_out);
   }
 }
 
