@@ -84,7 +84,8 @@ def test_vllm_temperature_step_and_vocab():
     assert mask.extras["temperature"].tolist() == pytest.approx([0.7] * 6)
     assert mask.extras["step"].tolist() == [5] * 6
     assert mask.metadata["vocab_size"] == 12
-    with pytest.raises(EngineOutputError, match=r"request 0 \(id 'req-a'\) choice 0 token 1: sampling-mask id 11 .*\[0, 11\)"):
+    with pytest.raises(EngineOutputError,
+                       match=r"request 0 \(id 'req-a'\) choice 0 token 1: sampling-mask id 11 .*\[0, 11\)"):
         SamplingMask.from_vllm(fixture("vllm_generate.json"), vocab_size=11)
 
 
@@ -108,7 +109,8 @@ def as_objects(responses, mask_as_object=True):
         comps = []
         for ch in resp["choices"]:
             content = (ch.get("logprobs") or {}).get("content") or []
-            lp = [{tok: Logprob(e["logprob"], rank=1), 99999: Logprob(-20.0)} for tok, e in zip(ch["token_ids"], content)]
+            lp = [{tok: Logprob(e["logprob"], rank=1), 99999: Logprob(-20.0)}
+                  for tok, e in zip(ch["token_ids"], content)]
             m = ch["sampling_mask"]
             if m is not None and mask_as_object:
                 m = VllmSamplingMask(m, ch.get("sampling_mask_logprobs"))
@@ -179,7 +181,8 @@ C = r"request 2 \(id 'req-c'\) choice 0"
 @pytest.mark.parametrize("edit, message", [
     (lambda r: c0(r)["sampling_mask"].pop(), A + r"choice 0: 2 sampling-mask rows for 3 generated tokens"),
     (lambda r: c0(r).update(sampling_mask=None), A + r"choice 0: no sampling mask for its 3 generated tokens"),
-    (lambda r: c1(r)["sampling_mask"][0].remove(7), A + r"choice 1 token 0: sampled token 7 is not in its sampling mask of 2"),
+    (lambda r: c1(r)["sampling_mask"][0].remove(7),
+     A + r"choice 1 token 0: sampled token 7 is not in its sampling mask of 2"),
     (lambda r: c1(r)["sampling_mask"][0].append(9), A + r"choice 1 token 0: token id 9 appears twice"),
     (lambda r: c1(r)["sampling_mask"][1].append(-3), A + r"choice 1 token 1: sampling-mask id -3 is out of range"),
     (lambda r: c1(r)["sampling_mask"][1].append(2.5), A + r"choice 1 token 1: mask entry 2.5 is not an integer"),
@@ -187,17 +190,23 @@ C = r"request 2 \(id 'req-c'\) choice 0"
     (lambda r: c0(r)["sampling_mask"][1].append("5"), A + r"choice 0 token 1: mask entry '5' is not an integer"),
     (lambda r: c0(r)["sampling_mask"].__setitem__(1, None), A + r"choice 0 token 1: sampling mask row is null"),
     (lambda r: c0(r)["token_ids"].__setitem__(0, None), A + r"choice 0: token_ids: token 0 is None"),
-    (lambda r: c0(r)["token_ids"].__setitem__(0, 2**33), A + r"choice 0 token 0: generated token id 8589934592 is out of range"),
+    (lambda r: c0(r)["token_ids"].__setitem__(0, 2**33),
+     A + r"choice 0 token 0: generated token id 8589934592 is out of range"),
     (lambda r: c0(r).update(index=1), A[:-1] + r": two choices have index 1"),
     (lambda r: c0(r).update(index="0"), A + r"choice at position 1: index '0' is not an integer"),
-    (lambda r: c0(r)["logprobs"]["content"][1].pop("logprob"), A + r"choice 0 token 1: logprobs.content entry has no 'logprob'"),
+    (lambda r: c0(r)["logprobs"]["content"][1].pop("logprob"),
+     A + r"choice 0 token 1: logprobs.content entry has no 'logprob'"),
     (lambda r: c0(r)["logprobs"]["content"].pop(), A + r"choice 0: 2 log-probs for 3 generated tokens"),
-    (lambda r: c0(r)["logprobs"]["content"][0].update(logprob="x"), A + r"choice 0 token 0: log-prob is 'x', not a number"),
+    (lambda r: c0(r)["logprobs"]["content"][0].update(logprob="x"),
+     A + r"choice 0 token 0: log-prob is 'x', not a number"),
     (lambda r: c1(r).update(logprobs=None), A + r"choice 1: no log-probs, while other completions have them"),
     (lambda r: c1(r).update(logprobs={"foo": 1}), A + r"choice 1: logprobs has neither 'content' nor 'token_logprobs'"),
-    (lambda r: c1(r).update(sampling_mask={"ids": []}), A + r"choice 1: sampling_mask is a dict, expected a list of id lists"),
-    (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"][0].pop(), C + r" token 0: 1 sampling-mask log-probs for 2 mask ids"),
-    (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"].append([0.0]), C + r": 2 rows of sampling-mask log-probs for 1"),
+    (lambda r: c1(r).update(sampling_mask={"ids": []}),
+     A + r"choice 1: sampling_mask is a dict, expected a list of id lists"),
+    (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"][0].pop(),
+     C + r" token 0: 1 sampling-mask log-probs for 2 mask ids"),
+    (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"].append([0.0]),
+     C + r": 2 rows of sampling-mask log-probs for 1"),
     (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"][0].__setitem__(1, None),
      C + r" token 0: sampling-mask log-prob None is not a number"),
     (lambda r: r.append({"id": "not a response"}), r"request 3: neither a vLLM RequestOutput"),
@@ -264,8 +273,10 @@ def test_sglang_chat_completion_fixture():
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda r: r[0]["meta_info"]["output_token_sampling_mask"].pop(), r"response 0 \(id 'sg-0'\): 1 sampling-mask rows for 2"),
-    (lambda r: r[1]["meta_info"].pop("output_token_sampling_mask"), r"response 1 \(id 'sg-1'\): no sampling mask for its 3"),
+    (lambda r: r[0]["meta_info"]["output_token_sampling_mask"].pop(),
+     r"response 0 \(id 'sg-0'\): 1 sampling-mask rows for 2"),
+    (lambda r: r[1]["meta_info"].pop("output_token_sampling_mask"),
+     r"response 1 \(id 'sg-1'\): no sampling mask for its 3"),
     (lambda r: r[0]["meta_info"]["output_token_sampling_mask"][0].remove(12),
      r"response 0 \(id 'sg-0'\) token 0: sampled token 12 is not in its sampling mask of 2"),
     (lambda r: r[1]["meta_info"]["output_token_sampling_logprobs"][1].pop(),
@@ -330,7 +341,8 @@ def test_to_padded_matches_reference_and_round_trips(rows, extra):
 def test_from_padded_sorts_unsorted_rows(rows, data):
     width = max([len(r) for r in rows], default=0)
     shuffled = [data.draw(st.permutations(r)) for r in rows]
-    ids = torch.tensor([list(r) + [-1] * (width - len(r)) for r in shuffled], dtype=torch.int64).reshape(len(rows), width)
+    padded = [list(r) + [-1] * (width - len(r)) for r in shuffled]
+    ids = torch.tensor(padded, dtype=torch.int64).reshape(len(rows), width)
     mask = SamplingMask.from_padded(ids, torch.tensor([len(r) for r in rows], dtype=torch.int64))
     assert mask.to_lists() == [sorted(r) for r in rows]
 
@@ -346,8 +358,8 @@ def test_to_padded_names_a_row_wider_than_width():
 
 def test_from_padded_keeps_unsampled_rows_and_extras():
     ids = torch.tensor([[3, 1, -1], [-1, -1, -1]], dtype=torch.int32)
-    mask = SamplingMask.from_padded(ids, torch.tensor([2, 0]), sampled=torch.tensor([3, 0]), logprobs=torch.tensor([-0.1, 0.0]),
-                       sequence=torch.tensor([4, 4]))
+    mask = SamplingMask.from_padded(ids, torch.tensor([2, 0]), sampled=torch.tensor([3, 0]),
+                                    logprobs=torch.tensor([-0.1, 0.0]), sequence=torch.tensor([4, 4]))
     assert mask.to_lists() == [[1, 3], []]
     assert mask.sampled.tolist() == [3, 0] and mask.extras["sequence"].tolist() == [4, 4]
 
