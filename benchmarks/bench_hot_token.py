@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
+from timing import time_us
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mask_replay
 import mask_replay as mr  # noqa: E402
@@ -40,23 +39,6 @@ def supports(n, v, k, hot, seed):
         rows.append(sorted(ids.tolist()))
     sampled = torch.tensor([row[-1] for row in rows], dtype=torch.int64)
     return mr.SamplingMask.from_lists(rows), sampled
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_time(fn, reps, device):
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def backward_call(hidden, weight, mask, sampled, device):
@@ -94,9 +76,10 @@ def main():
         t = {}
         for name, hot in (("spread", False), ("hot", True)):
             mask, sampled = supports(n, v, k, hot, seed=n)
-            t[name] = median_time(backward_call(hidden, weight, mask, sampled, device), args.reps, device)
+            call = backward_call(hidden, weight, mask, sampled, device)
+            t[name] = time_us(call, args.reps, torch.device(device)) / 1e6
         dense_coef = torch.randn(n, v, generator=g).to(device)
-        t["dense"] = median_time(lambda: dense_coef.T @ hidden, args.reps, device)
+        t["dense"] = time_us(lambda: dense_coef.T @ hidden, args.reps, torch.device(device)) / 1e6
         ms = {name: 1e3 * s for name, s in t.items()}
         print(f"{n:>6} {d:>6} {ms['spread']:>9.2f} {ms['hot']:>9.2f} {ms['dense']:>9.1f}"
               f" {t['hot'] / t['spread']:>11.2f} {t['dense'] / t['spread']:>13.1f} {t['dense'] / t['hot']:>10.1f}",

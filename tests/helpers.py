@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -177,6 +179,18 @@ def rollout_tensors(n=N, v=V, seed=0, **extra):
 def write(path, tensors):
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     return str(path)
+
+
+def write_dump(path, tensors):
+    """A dump in the format its suffix names: .safetensors, .pt (torch.save) or .npz (numpy)."""
+    path = str(path)
+    if path.endswith(".pt"):
+        torch.save(tensors, path)
+    elif path.endswith(".npz"):
+        np.savez(path, **{k: v.numpy() for k, v in tensors.items()})
+    else:
+        write(path, tensors)
+    return pathlib.Path(path)
 
 
 def run(*args):

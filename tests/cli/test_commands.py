@@ -11,7 +11,18 @@ from safetensors.torch import load_file
 
 import mask_replay
 from mask_replay import SamplingMask
-from tests.helpers import TOP_P, N, V, assert_clean, assert_one_line_error, make_logits, rollout_tensors, run, write
+from tests.helpers import (
+    TOP_P,
+    N,
+    V,
+    assert_clean,
+    assert_one_line_error,
+    make_logits,
+    rollout_tensors,
+    run,
+    write,
+    write_dump,
+)
 
 
 @pytest.mark.parametrize("cmd", [[], ["capture"], ["score"], ["inspect"], ["demo"], ["info"]])
@@ -119,12 +130,7 @@ def test_several_inputs_concatenate_in_order_and_chunks_do_not_matter(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["pt", "npz"])
 def test_pt_and_npz_dumps_match_safetensors(tmp_path, rollout, fmt):
-    t = rollout_tensors()
-    path = tmp_path / f"r.{fmt}"
-    if fmt == "pt":
-        torch.save(t, path)
-    else:
-        np.savez(path, **{k: v.numpy() for k, v in t.items()})
+    path = write_dump(tmp_path / f"r.{fmt}", rollout_tensors())
     ref, out = tmp_path / "ref.safetensors", tmp_path / f"out_{fmt}.safetensors"
     assert run("capture", rollout, "-o", ref).exit_code == 0
     result = run("capture", path, "-o", out)
@@ -395,12 +401,7 @@ def test_demo_shows_the_replay_effect(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["pt", "npz"])
 def test_truncated_pt_and_npz(tmp_path, fmt):
-    t = rollout_tensors()
-    path = tmp_path / f"r.{fmt}"
-    if fmt == "pt":
-        torch.save(t, path)
-    else:
-        np.savez(path, **{k: v.numpy() for k, v in t.items()})
+    path = write_dump(tmp_path / f"r.{fmt}", rollout_tensors())
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     result = run("capture", path, "-o", tmp_path / "m.safetensors")
