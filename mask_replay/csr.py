@@ -148,23 +148,25 @@ def device_csr(token_ids: torch.Tensor, offsets: torch.Tensor, n: int, vocab: in
     offs = offsets.to(device=device, dtype=torch.int64)
     nnz = ids.numel()
     lengths = offs[1:] - offs[:-1]
-    flags = [offs[0] != 0, (lengths < 0).any(), offs[-1] != nnz]
-    if nnz:
-        ok_lengths = lengths.clamp(min=0)
-        total = int(ok_lengths.sum()) if bool(torch.stack(flags).any()) else nnz
-        if total == nnz:
-            rows = torch.repeat_interleave(torch.arange(n, device=device), ok_lengths, output_size=nnz)
-            first = torch.zeros(nnz, dtype=torch.bool, device=device)  # first entry of a row
-            inner = offs[1:-1]
-            first[inner[(inner >= 0) & (inner < nnz)]] = True
-            first[0] = True
-            bad = (ids < 0) | (ids >= vocab)
-            bad[1:] |= ~first[1:] & (ids[1:] <= ids[:-1])
-            flags.append(bad.any())
-    if bool(torch.stack(flags).any()):
-        check_csr(token_ids.cpu().to(torch.int32), offsets.cpu().to(torch.int64), source=op, vocab_size=vocab)
+    if bool(torch.stack([offs[0] != 0, (lengths < 0).any(), offs[-1] != nnz]).any()):
+        _refuse(token_ids, offsets, vocab, op)
     rows = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=nnz)
+    if nnz:
+        first = torch.zeros(nnz, dtype=torch.bool, device=device)  # first entry of a row
+        inner = offs[1:-1]
+        first[inner[inner < nnz]] = True
+        first[0] = True
+        bad = (ids < 0) | (ids >= vocab)
+        bad[1:] |= ~first[1:] & (ids[1:] <= ids[:-1])
+        if bool(bad.any()):
+            _refuse(token_ids, offsets, vocab, op)
     return ids, offs, rows
+
+
+def _refuse(token_ids, offsets, vocab: int, op: str):
+    """A mask the device found bad: the host check names the defect and its row."""
+    check_csr(token_ids.cpu().to(torch.int32), offsets.cpu().to(torch.int64), source=op, vocab_size=vocab)
+    raise MaskFormatError("the support is not a valid CSR", file=op)  # unreachable while both checks agree
 
 
 def take_rows(token_ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor):
