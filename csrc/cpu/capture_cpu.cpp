@@ -6,10 +6,12 @@
 // for top-k because the k-th largest of a subset of >= k entries never exceeds the row's; for
 // top-p only once the buffer's mass reaches p * Z (before that, the buffer's top-p key is just
 // its smallest key, not a bound on the row's). The final radix selection runs over the buffer.
-// Top-p without top-k needs the survivors' total mass first: one vectorised pass of exact
-// fixed-point sums, which also fills a histogram of the masses within 16 of the max; the
-// threshold's bin then comes from that histogram and only the bin's entries are radix-selected
-// (select_top_p_from_histogram). The filtering scan is top-p's fallback there.
+// Top-p without top-k needs the survivors' total mass first. Where the CPU has AVX-512 (chosen at
+// run time), select_top_p_levels (capture_cpu_top_p.cpp) finds the threshold from exact masses at a
+// few levels around a sampled guess. Elsewhere one vectorised pass of exact fixed-point sums also
+// fills a histogram of the masses within 16 of the max; the threshold's bin then comes from that
+// histogram and only the bin's entries are radix-selected (select_top_p_from_histogram). The
+// filtering scan is top-p's fallback there.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -21,7 +23,9 @@
 #include <vector>
 
 #include "capture_checks.h"
+#include "capture_cpu_avx512.h"
 #include "capture_cpu_loops.h"
+#include "capture_cpu_row.h"
 #include "capture_cpu_select.h"
 #include "kernels/det_log.h"
 #include "kernels/kernel_math.h"
@@ -29,14 +33,6 @@
 namespace mask_replay {
 namespace cpu {
 namespace {
-
-struct Scratch {
-  std::vector<float> x;
-  std::vector<int32_t> cand, bin_idx;
-  std::vector<uint32_t> keys, ka, kb, bin_keys;
-  std::vector<int64_t> mass, ma, mb, hist_count, hist_mass;
-  std::vector<int32_t> ids;  // compressed output of one row; sized v + 8, never shrunk
-};
 
 // Per-thread buffers that live across calls: fresh row-sized allocations would page-fault on every
 // call, which costs more than the selection itself. Fetched once per chunk of rows and passed by
@@ -46,16 +42,10 @@ Scratch& thread_scratch() {
   return s;
 }
 
-std::vector<std::vector<int32_t>>& thread_chunk_pool() {
-  static thread_local std::vector<std::vector<int32_t>> pool;
+std::vector<IdList>& thread_chunk_pool() {
+  static thread_local std::vector<IdList> pool;
   return pool;
 }
-
-struct RowOutcome {
-  int error = 0;  // 1 NaN, 2 +inf, 3 overflow after temperature, 4 no finite entry
-  int64_t col = -1;
-  float logz = 0.0f;
-};
 
 void gather_keys(const float* x, const std::vector<int32_t>& idx, std::vector<uint32_t>& keys) {
   keys.resize(idx.size());
@@ -166,8 +156,7 @@ void select_by_histogram(const float* x, int64_t v, float m, float thr, int64_t 
 // false when no bin below stops the scan (the threshold may lie under hist_low): the caller falls
 // back to the cut-off scan. Otherwise one pass collects that bin's entries, radix selection on
 // them gives the exact key, and one compress pass writes the support to `out`.
-bool select_top_p_from_histogram(const float* x, int64_t v, float m, double p, int64_t total, Scratch& s,
-                                 std::vector<int32_t>& out) {
+bool select_top_p_from_histogram(const float* x, int64_t v, float m, double p, int64_t total, Scratch& s, IdList& out) {
   int64_t* h = s.hist_mass.data();
   for (int w = 1; w < kHistWays; ++w)
     for (int b = 0; b < kHistBins; ++b) h[b] += h[w * kHistBins + b];
@@ -223,9 +212,10 @@ bool select_top_p_from_histogram(const float* x, int64_t v, float m, double p, i
 }
 
 template <typename T>
-RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_logz, Scratch& s,
-                      std::vector<int32_t>& out) {
+RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_logz, bool avx512, bool may_defer,
+                      Scratch& s, IdList& out) {
   RowOutcome res;
+  (void)avx512;                   // unused where the build has no x86 vector paths
   if (prm.temperature == 0.0f) {  // greedy: the first maximum of the raw logits
     int64_t best = -1;
     float bm = kNegInf;
@@ -246,7 +236,14 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   // z / 1 == z exactly: fp32 rows at T == 1 are read in place, sparing the copy.
   const bool in_place = std::is_same_v<T, float> && prm.temperature == 1.0f;
   if (!in_place) s.x.resize(v);
-  const LoadResult lr = load_row(z, v, prm.temperature, in_place ? nullptr : s.x.data());
+  float* xbuf = in_place ? nullptr : s.x.data();
+#if MR_CPU_AVX512
+  if (avx512) s.block_max.resize(v / kBlock + 1);
+  const LoadResult lr =
+      avx512 ? load_row_avx512(z, v, prm.temperature, xbuf, s.block_max.data()) : load_row(z, v, prm.temperature, xbuf);
+#else
+  const LoadResult lr = load_row(z, v, prm.temperature, xbuf);
+#endif
   if (lr.bad_code) return RowOutcome{lr.bad_code, lr.bad_col};
   if (lr.max == kNegInf) return RowOutcome{4, -1};
   const float* x = in_place ? reinterpret_cast<const float*>(z) : s.x.data();
@@ -263,6 +260,10 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   // into the chunk's list and into the output tensor). About 4 reads of x, all from cache for
   // rows up to L2's size. The cut-off scan below is the fallback when the histogram cannot bound
   // the threshold (it needs a second mass pass).
+  if (use_top_p && k <= 0 && avx512) {
+    select_top_p_levels(x, v, m, thr, prm.top_p, with_min_p, want_logz, may_defer, s, out, res);
+    return res;
+  }
   if (use_top_p && k <= 0) {
     const float hist_low = std::max(thr, mr_add(m, -16.0f));
     s.hist_mass.assign(kHistWays * kHistBins, 0);
@@ -369,11 +370,13 @@ struct Params {
 }
 
 // Runs select_row over all rows in parallel; each chunk of rows appends to its own id buffer.
-// Returns per-row counts; ids of chunk c are in chunk_ids[c]; the first bad row is thrown.
+// Returns per-row counts; ids of chunk c are in chunk_ids[c], but for deferred rows (may_defer),
+// whose ids are written by the output pass; `outcomes` gets every row's outcome. The first bad
+// row is thrown unless `report_errors` (then it is in `outcomes`).
 template <typename T>
 std::vector<int64_t> run_rows(const at::Tensor& logits, const Params& prm, bool want_logz, float* logz,
-                              std::vector<std::vector<int32_t>>& chunk_ids, std::vector<int64_t>& chunk_start,
-                              std::vector<RowOutcome>* outcomes) {
+                              std::vector<IdList>& chunk_ids, std::vector<int64_t>& chunk_start, bool may_defer,
+                              bool report_errors, std::vector<RowOutcome>& outcomes) {
   const int64_t n = logits.size(0), v = logits.size(1), stride = logits.stride(0);
   const T* base = logits.const_data_ptr<T>();
   const int64_t nchunks = std::min<int64_t>(n, std::max<int64_t>(1, at::get_num_threads()) * 8);
@@ -383,24 +386,22 @@ std::vector<int64_t> run_rows(const at::Tensor& logits, const Params& prm, bool 
   for (int64_t c = 0; c <= nchunks; ++c) chunk_start[c] = n * c / std::max<int64_t>(nchunks, 1);
   std::vector<int64_t> counts(n, 0);
   std::vector<RowOutcome> errs(n);
+  const bool avx512 = cpu_has_avx512();
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     Scratch& s = thread_scratch();
     for (int64_t c = c0; c < c1; ++c) {
       for (int64_t r = chunk_start[c]; r < chunk_start[c + 1]; ++r) {
         const size_t before = chunk_ids[c].size();
-        RowOutcome o = select_row(base + r * stride, v, prm.row(r), want_logz, s, chunk_ids[c]);
-        counts[r] = static_cast<int64_t>(chunk_ids[c].size() - before);
+        RowOutcome o = select_row(base + r * stride, v, prm.row(r), want_logz, avx512, may_defer, s, chunk_ids[c]);
+        counts[r] = o.deferred ? o.count : static_cast<int64_t>(chunk_ids[c].size() - before);
         if (logz) logz[r] = o.logz;
         errs[r] = o;
       }
     }
   });
-  for (int64_t r = 0; r < n; ++r) {
-    if (errs[r].error == 0) continue;
-    if (outcomes) break;
-    throw_row_error(r, errs[r]);
-  }
-  if (outcomes) outcomes->swap(errs);
+  for (int64_t r = 0; r < n && !report_errors; ++r)
+    if (errs[r].error != 0) throw_row_error(r, errs[r]);
+  outcomes.swap(errs);
   return counts;
 }
 
@@ -434,21 +435,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_cpu(const at::Tensor& log
   at::Tensor logz = at::empty({compute_logz ? n : 0}, logits.options().dtype(at::kFloat));
   const Params prm{t.const_data_ptr<float>(), kk.const_data_ptr<int64_t>(), p.const_data_ptr<double>(),
                    mp.const_data_ptr<double>()};
-  std::vector<std::vector<int32_t>>& chunk_ids = thread_chunk_pool();
+  std::vector<IdList>& chunk_ids = thread_chunk_pool();
   std::vector<int64_t> chunk_start, counts;
+  std::vector<RowOutcome> outcomes;
+  at::Tensor offsets = at::empty({n + 1}, logits.options().dtype(at::kLong)), ids;
   dispatch_dtype(logits, [&](auto tag) {
     using T = decltype(tag);
     counts = run_rows<T>(logits, prm, compute_logz, compute_logz ? logz.data_ptr<float>() : nullptr, chunk_ids,
-                         chunk_start, nullptr);
-  });
-  at::Tensor offsets = at::empty({n + 1}, logits.options().dtype(at::kLong));
-  int64_t* off = offsets.data_ptr<int64_t>();
-  off[0] = 0;
-  for (int64_t r = 0; r < n; ++r) off[r + 1] = off[r] + counts[r];
-  at::Tensor ids = at::empty({off[n]}, logits.options().dtype(at::kInt));
-  int32_t* out = ids.data_ptr<int32_t>();
-  at::parallel_for(0, static_cast<int64_t>(chunk_start.size()) - 1, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) std::copy(chunk_ids[c].begin(), chunk_ids[c].end(), out + off[chunk_start[c]]);
+                         chunk_start, true, false, outcomes);
+    int64_t* off = offsets.data_ptr<int64_t>();
+    off[0] = 0;
+    for (int64_t r = 0; r < n; ++r) off[r + 1] = off[r] + counts[r];
+    ids = at::empty({off[n]}, logits.options().dtype(at::kInt));
+    int32_t* out = ids.data_ptr<int32_t>();
+    const T* base = logits.const_data_ptr<T>();
+    const int64_t v = logits.size(1), stride = logits.stride(0);
+    // The output pass: each chunk's list copied to its rows' places, deferred rows compressed there.
+    at::parallel_for(0, static_cast<int64_t>(chunk_start.size()) - 1, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int32_t* src = chunk_ids[c].data();
+        for (int64_t r = chunk_start[c]; r < chunk_start[c + 1]; ++r) {
+          if (outcomes[r].deferred) {
+            write_deferred_row(base + r * stride, v, prm.temperature[r], outcomes[r].threshold, counts[r],
+                               out + off[r]);
+          } else {
+            std::copy(src, src + counts[r], out + off[r]);
+            src += counts[r];
+          }
+        }
+      }
+    });
   });
   return {ids, offsets, logz};
 }
@@ -481,12 +497,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cpu(const at::Tenso
   }
   const Params prm{t.const_data_ptr<float>(), kk.const_data_ptr<int64_t>(), p.const_data_ptr<double>(),
                    mp.const_data_ptr<double>()};
-  std::vector<std::vector<int32_t>>& chunk_ids = thread_chunk_pool();
+  std::vector<IdList>& chunk_ids = thread_chunk_pool();
   std::vector<int64_t> chunk_start, counts;
   std::vector<RowOutcome> outcomes;
   dispatch_dtype(logits, [&](auto tag) {
     using T = decltype(tag);
-    counts = run_rows<T>(logits, prm, false, nullptr, chunk_ids, chunk_start, &outcomes);
+    counts = run_rows<T>(logits, prm, false, nullptr, chunk_ids, chunk_start, false, true, outcomes);
   });
   at::Tensor ids = at::full({n, width}, -1, logits.options().dtype(at::kInt));
   at::Tensor cnt = at::empty({n}, logits.options().dtype(at::kLong));

@@ -43,12 +43,18 @@ inline uint32_t kth_largest_key(const uint32_t* keys, int64_t n, int64_t k, std:
 inline uint32_t top_p_threshold_key(const uint32_t* keys, const int64_t* mass, int64_t n, double p, int64_t total,
                                     std::vector<uint32_t>& ka, std::vector<int64_t>& ma, std::vector<uint32_t>& kb,
                                     std::vector<int64_t>& mb, int64_t above = 0) {
+  // Leading digits that every key shares decide nothing (a bracket of nearby values shares its
+  // sign and exponent): they go straight into the prefix and the passes start below them.
+  uint32_t differ = 0;
+  for (int64_t i = 1; i < n; ++i) differ |= keys[i] ^ keys[0];
+  const int first_pass = differ == 0 ? 4 : __builtin_clz(differ) / kRadixBits;
+  uint32_t prefix = n > 0 ? keys[0] & radix_prefix_mask(first_pass) : 0;
+  if (first_pass == 4) return prefix;
   ka.assign(keys, keys + n);
   ma.assign(mass, mass + n);
-  uint32_t prefix = 0;
   int64_t bin_mass[kRadixBins];
   int64_t bin_count[kRadixBins];
-  for (int pass = 0; pass < 4; ++pass) {
+  for (int pass = first_pass; pass < 4; ++pass) {
     for (int d = 0; d < kRadixBins; ++d) bin_mass[d] = bin_count[d] = 0;
     for (size_t i = 0; i < ka.size(); ++i) {
       const int d = radix_digit(ka[i], pass);
