@@ -253,13 +253,23 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   const bool use_top_p = top_p_active(prm.top_p);
   const int64_t k = prm.top_k;
 
-  // Top-p alone. Passes over the row (V entries, K kept, B in the threshold's bin; fp32 x):
-  // load (reads V logits; bf16/fp16 or T != 1 also writes V * 4 bytes of x), mass + histogram
-  // (reads x: exp of every entry, binning of the entries within 16 of the max), the threshold bin's
-  // entries (reads x, B ids), the support (reads x, writes K * 4 bytes of ids, copied twice more:
-  // into the chunk's list and into the output tensor). About 4 reads of x, all from cache for
-  // rows up to L2's size. The cut-off scan below is the fallback when the histogram cannot bound
-  // the threshold (it needs a second mass pass).
+  // Every path starts with the load pass: it reads the V logits (4 or 2 bytes each); bf16/fp16 or
+  // T != 1 also write V * 4 bytes of x, which the later passes read from cache (L2 holds rows up to
+  // ~256k entries).
+  //
+  // Top-p alone, AVX-512: 2 more reads of x for most rows, the ids of wide supports written once,
+  // straight into the output (traffic per pass in capture_cpu_top_p.cpp).
+  //
+  // Top-p alone, baseline (V entries, K kept, B in the threshold's bin): mass + histogram (reads x:
+  // exp of every entry, binning of the entries within 16 of the max), the threshold bin's entries
+  // (reads x, B ids), the support (reads x, writes K * 4 bytes of ids, copied once more into the
+  // output tensor). About 4 reads of x. The cut-off scan below is the fallback when the histogram
+  // cannot bound the threshold (it needs a second mass pass).
+  //
+  // Top-k (with or without top-p): one filtering scan (reads x; compares only, the candidates of a
+  // small k stay in a buffer of max(1024, 2k) ids), radix selection on that buffer; a k too large
+  // for the buffer reads x twice more (histogram, then the threshold bin). The K ids are copied
+  // into the output tensor.
   if (use_top_p && k <= 0 && avx512) {
     select_top_p_levels(x, v, m, thr, prm.top_p, with_min_p, want_logz, may_defer, s, out, res);
     return res;

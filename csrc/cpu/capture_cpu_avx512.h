@@ -15,19 +15,16 @@
 #include <vector>
 
 #include "capture_cpu_loops.h"
+#include "det_exp_avx512.h"
 #include "kernels/kernel_math.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define MR_CPU_AVX512 1
+#if MR_CPU_AVX512
 #pragma GCC diagnostic push  // popped at the end of this header
-// The vector types only cross inline functions of this header: no ABI boundary to warn about.
 #pragma GCC diagnostic ignored "-Wpsabi"
 // GCC 12's AVX-512 intrinsics build "undefined" vectors from themselves (`__m512 __Y = __Y;`), which
 // -Wall reports once inlined here; nothing of ours is uninitialised.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-#define MR_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2,popcnt")))
 #endif
 
 namespace mask_replay {
@@ -53,26 +50,6 @@ MR_AVX512 inline __m512 load16(const c10::BFloat16* p) {
 }
 MR_AVX512 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// det_exp (kernel_math.h) on 16 lanes: the same operations in the same order, so the same bits.
-MR_AVX512 inline __m512 det_exp16(__m512 d) {
-  const __m512 n =
-      _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(12582912.0f)),
-                    _mm512_set1_ps(-12582912.0f));
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), d));
-  __m512 p = _mm512_set1_ps(1.98412698412698413e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.38888888888888889e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333333333333333e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666666666666667e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666666666666667e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), e);
 }
 
 // load_row (capture_cpu_loops.h) on 16 lanes, two accumulators: x = z / T, row max, defect flags,
@@ -276,6 +253,50 @@ MR_AVX512 inline CutEstimate estimate_top_p_cut(const float* x, int64_t v, float
   const double half = per_nat > 0.0 ? 3.0 * err / per_nat : 1.0;
   out.half_width = static_cast<float>(std::min(1.0, std::max(1.0 / kEstimatePerNat, half)));
   out.peaked = e.exact > 0.5 * e.total;
+  return out;
+}
+
+// One exp pass for peaked rows: the total mass, with kMinP the survivors' mass (at or above
+// `floor`), and the ids of the entries at or above `cut`, ascending, in ids (room for v + 16).
+struct MassesAndCandidates {
+  int64_t all = 0, survivors = 0, n = 0;
+};
+
+template <bool kMinP>
+MR_AVX512 MassesAndCandidates masses_and_candidates_avx512(const float* x, int64_t v, float m, float floor, float cut,
+                                                           int32_t* ids) {
+  MassesAndCandidates out;
+  const __m512 m16 = _mm512_set1_ps(m), scale = _mm512_set1_ps(kMassScale);
+  const __m512 floor16 = _mm512_set1_ps(floor), cut16 = _mm512_set1_ps(cut);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i all_lo = _mm512_setzero_si512(), all_hi = all_lo, sur_lo = all_lo, sur_hi = all_lo;
+  int64_t i = 0, n = 0;
+  for (; i + 16 <= v; i += 16) {
+    const __m512 x16 = _mm512_loadu_ps(x + i);
+    const __m512 q = _mm512_mul_ps(det_exp16(_mm512_sub_ps(x16, m16)), scale);
+    const __m512i q_lo = _mm512_cvttps_epi64(_mm512_castps512_ps256(q));  // truncation = mass_q's floor
+    const __m512i q_hi = _mm512_cvttps_epi64(_mm512_extractf32x8_ps(q, 1));
+    all_lo = _mm512_add_epi64(all_lo, q_lo);
+    all_hi = _mm512_add_epi64(all_hi, q_hi);
+    if (kMinP) {
+      const __mmask16 k = _mm512_cmp_ps_mask(x16, floor16, _CMP_GE_OQ);
+      sur_lo = _mm512_mask_add_epi64(sur_lo, static_cast<__mmask8>(k), sur_lo, q_lo);
+      sur_hi = _mm512_mask_add_epi64(sur_hi, static_cast<__mmask8>(k >> 8), sur_hi, q_hi);
+    }
+    const __mmask16 c = _mm512_cmp_ps_mask(x16, cut16, _CMP_GE_OQ);
+    const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i)));
+    _mm512_storeu_si512(ids + n, _mm512_maskz_compress_epi32(c, idx));
+    n += __builtin_popcount(c);
+  }
+  out.all = _mm512_reduce_add_epi64(_mm512_add_epi64(all_lo, all_hi));
+  out.survivors = kMinP ? _mm512_reduce_add_epi64(_mm512_add_epi64(sur_lo, sur_hi)) : out.all;
+  for (; i < v; ++i) {
+    const int64_t q = mass_q(det_exp(mr_add(x[i], -m)));
+    out.all += q;
+    if (!kMinP || x[i] >= floor) out.survivors += q;
+    if (x[i] >= cut) ids[n++] = static_cast<int32_t>(i);
+  }
+  out.n = n;
   return out;
 }
 

@@ -4,23 +4,26 @@
 // Memory traffic per row (V entries, K kept; x = z / T in fp32 after the load pass, 4 bytes an
 // entry; a row of up to 256k entries stays in L2 between the passes):
 //   1. estimate_top_p_cut reads ~1/16 of x (8 blocks whole, a sample of the rest) and guesses where
-//      the threshold lies, with its sampling error;
-//   2. level passes (level_masses_avx512) read x, one exp an entry: the total mass Z and the exact
-//      mass and count at or above two levels around the guess, and they write the values between
-//      the two (the window, ~1-3% of a flat row). The threshold lies between two neighbouring
-//      levels: entries below the lower one have at least p * Z above them, entries at or above the
-//      upper one have less. When the guess missed (a few % of flat rows), a second pass places six
-//      levels beyond the crossed one, and a third if needed;
-//   3. the bracket's values: the window (usually), or one more read of x collects them. Wide
-//      brackets are narrowed by level passes over their own values, then radix selection gives
-//      the exact threshold key. Peaked rows (few entries at or above the lower level) skip this:
-//      one compress pass writes those few ids, and the bracket is read from them;
+//      the threshold lies, with its sampling error, and whether the row is peaked (most of the
+//      mass in the blocks it counted whole);
+//   2. peaked rows (LLM rows: a few strong candidates): one read of x, one exp an entry, gives the
+//      total mass Z and writes the ids of the entries at or above a cut 2 nats under the guess
+//      (4 bytes each, a handful). When they hold p * Z, radix selection on them gives the exact
+//      threshold and they are filtered in place: done, 1 read of x;
+//   3. other rows, or when step 2 fails: level passes (level_masses_avx512) read x, one exp an
+//      entry: Z and the exact mass and count at or above two levels around the guess, and they
+//      write the values between the two (the window, ~1-3% of a flat row). The threshold lies
+//      between two neighbouring levels: entries below the lower one have at least p * Z above
+//      them, entries at or above the upper one have less. When the guess missed (a few % of flat
+//      rows), a second pass places six levels beyond the crossed one, and a third if needed; then
+//      one more read of x collects the bracket's values. Wide brackets are narrowed by level
+//      passes over their own values, then radix selection gives the exact threshold key;
 //   4. the ids: few (K < V / 4) are compressed into the chunk's list at once (reads x, writes 4 K
 //      bytes); many are deferred: the output pass compresses them from the logits straight into
 //      the output (reads the V logits once more, writes 4 K bytes), sparing the list and its copy.
-// So 2 reads of x for most rows (3 for a missed guess), plus the load pass and, for wide supports,
-// one read of the logits in the output pass. The guess only places the levels: a poor guess costs
-// passes, never a different support.
+// So, besides the load pass: 1 read of x for peaked rows, 2 for most flat rows (3-4 for a missed
+// guess) and, for wide supports, one read of the logits in the output pass. The guess only places
+// the cut and the levels: a poor guess costs passes, never a different support.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -40,7 +43,7 @@ namespace {
 // Distances (in the estimate's 1/32 nat bins) from a crossed level to the next pass's levels.
 constexpr float kBeyond[6] = {1.0f, 3.0f, 8.0f, 24.0f, 64.0f, 192.0f};
 constexpr int kLevelPasses = 3;
-// A bracket this small is collected by one cheap pass; a list this small is walked, not re-read.
+// A bracket this small is collected by one cheap pass; a candidate list this small is searched.
 constexpr int64_t kSmallBracket = 4096;
 constexpr int64_t kNarrowBracket = 2048;
 
@@ -173,31 +176,53 @@ MR_AVX512 float threshold_in(const float* val, int64_t nb, float m, double p, in
   return key_value(top_p_threshold_key(s.bin_keys.data(), s.mass.data(), nb, p, total, s.ka, s.ma, s.kb, s.mb, above));
 }
 
+// Peaked rows (the estimate counted most of the mass exactly): one exp pass gives Z and lists the
+// entries at or above a cut 2 nats under the guess's window; when they hold p * Z, the threshold is
+// among them (radix selection on the list), and no level is needed. Returns false, the list
+// dropped, when the cut was too high or the list too long for that.
+MR_AVX512 bool top_p_peaked(const float* x, int64_t v, float m, float floor, double p, bool with_min_p, bool want_logz,
+                            const CutEstimate& guess, Scratch& s, IdList& out, RowOutcome& res) {
+  const float cut = std::max(floor, mr_add(guess.cut, -(guess.half_width + 2.0f)));
+  const size_t base = out.size();
+  out.resize(base + v + 16);
+  int32_t* ids = out.data() + base;
+  const MassesAndCandidates mc = with_min_p ? masses_and_candidates_avx512<true>(x, v, m, floor, cut, ids)
+                                            : masses_and_candidates_avx512<false>(x, v, m, floor, cut, ids);
+  if (mc.n <= kSmallBracket) {
+    float* val = s.bracket.data();
+    int64_t at_cut = 0;
+    for (int64_t j = 0; j < mc.n; ++j) {
+      val[j] = x[ids[j]];
+      at_cut += mass_q(det_exp(mr_add(val[j], -m)));
+    }
+    if (!below_top_p(at_cut, p, mc.survivors)) {
+      if (want_logz)
+        res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(mc.all) / kMassScaleD));
+      const float t = threshold_in(val, mc.n, m, p, mc.survivors, 0, s);
+      int64_t w = 0;
+      for (int64_t j = 0; j < mc.n; ++j)
+        if (val[j] >= t) ids[w++] = ids[j];
+      out.resize(base + w);
+      return true;
+    }
+  }
+  out.resize(base);
+  return false;
+}
+
 MR_AVX512 void top_p_levels_avx512(const float* x, int64_t v, float m, float floor, double p, bool with_min_p,
                                    bool want_logz, bool may_defer, Scratch& s, IdList& out, RowOutcome& res) {
   const CutEstimate guess = estimate_top_p_cut(x, v, m, floor, p, s.block_max.data(), s.block_order);
   if (s.bracket.size() < static_cast<size_t>(v) + 16) s.bracket.resize(v + 16);
+  if (guess.peaked && guess.cut == guess.cut &&
+      top_p_peaked(x, v, m, floor, p, with_min_p, want_logz, guess, s, out, res))
+    return;
   Bracket b{floor};
   b.at_lo = v;
   int64_t total = 0;
   int64_t nb = search_bracket(x, v, m, floor, p, with_min_p, want_logz, guess, s, b, total, res);
   float* val = s.bracket.data();
   const size_t base = out.size();
-  if (nb < 0 && b.at_lo <= kSmallBracket) {
-    // Few entries >= lo (peaked rows): compressed now, the bracket read from that list.
-    out.resize(base + v + 16);
-    int32_t* ids = out.data() + base;
-    const int64_t n = compress_at_least_avx512(x, v, b.lo, ids);
-    nb = 0;
-    for (int64_t j = 0; j < n; ++j)
-      if (x[ids[j]] < b.hi) val[nb++] = x[ids[j]];
-    const float t = threshold_in(val, nb, m, p, total, b.above, s);
-    int64_t w = 0;
-    for (int64_t j = 0; j < n; ++j)
-      if (x[ids[j]] >= t) ids[w++] = ids[j];
-    out.resize(base + w);
-    return;
-  }
   if (nb < 0) nb = values_in_range_avx512(x, v, b.lo, b.hi, val);
   nb = narrow_bracket(val, nb, m, p, total, b);
   const float t = threshold_in(val, nb, m, p, total, b.above, s);

@@ -108,6 +108,23 @@ def test_peaked_rows_whose_top_tokens_fall_outside_the_hot_blocks(heads):
 
 
 @needs_avx512
+@pytest.mark.parametrize("share", [0.3, 0.6, 0.9])
+def test_peaked_rows_over_a_dense_cluster(share):
+    # A few strong candidates hold `share` of the mass, thousands of entries 2-3 nats lower the rest:
+    # the row counts as peaked, but top-p 0.95 ends inside the cluster, whose entries are too many
+    # for the peaked path's list (or sit below its cut): the level search takes over.
+    v, heads, cluster = 60000, 8, 6000
+    g = torch.Generator().manual_seed(int(share * 10))
+    x = torch.randn(2, v, generator=g) - 20.0
+    x[:, :heads] = 10.0
+    x[:, 1000:1000 + cluster] = 10.0 - 2.5 + torch.randn(2, cluster, generator=g) * 0.1
+    x[:, :heads] += math.log(share / (1 - share) * cluster * math.exp(-2.5) / heads)
+    x = x[:, torch.randperm(v, generator=g)]
+    for p in (0.5, 0.9, 0.95, 0.999):
+        assert_same_paths(x, top_p=p)
+
+
+@needs_avx512
 def test_threshold_far_below_the_guess_and_far_above():
     g = torch.Generator().manual_seed(3)
     v = 1 << 17
@@ -186,14 +203,19 @@ def wide_case(draw):
     v = draw(st.integers(1, 40000))
     n = draw(st.integers(1, 3))
     seed = draw(st.integers(0, 2**31 - 1))
-    kind = draw(st.sampled_from(["flat", "peaked", "ties"]))
+    kind = draw(st.sampled_from(["flat", "peaked", "ties", "mixed"]))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     if kind == "flat":
         x = flat(n, v, draw(st.sampled_from([0.05, 0.5, 1.0, 2.0, 5.0])), seed=seed)
     elif kind == "peaked":
         x = peaked(n, max(v, 1), draw(st.integers(1, 64)), seed=seed, spread=draw(st.sampled_from([0.05, 0.6, 3.0])))
-    else:
+    elif kind == "ties":
         x = torch.round(flat(n, v, 2.0, seed=seed) * 2) / 2
+    else:  # strong candidates over a dense cluster a few nats below them, each with a share of the mass
+        x = peaked(n, v, draw(st.integers(1, 16)), seed=seed)
+        density = draw(st.sampled_from([0.01, 0.1]))
+        cluster = torch.rand(n, v, generator=torch.Generator().manual_seed(seed + 1)) < density
+        x[cluster] = 18.0 - draw(st.sampled_from([1.0, 4.0, 9.0])) + x[cluster] * 0.05
     kw = {"top_p": draw(st.sampled_from([0.01, 0.3, 0.8, 0.9, 0.95, 0.99, 0.9999])),
           "temperature": draw(st.sampled_from([1.0, 0.6, 1.5])),
           "min_p": draw(st.sampled_from([0.0, 0.0, 1e-4, 0.05]))}
