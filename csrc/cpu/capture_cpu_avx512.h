@@ -119,12 +119,12 @@ MR_AVX512 LevelMasses level_masses_avx512(const float* x, int64_t v, float m, co
   const __m512 m16 = _mm512_set1_ps(m), scale = _mm512_set1_ps(kMassScale);
   const __m512 wlo = _mm512_set1_ps(win_lo), whi = _mm512_set1_ps(win_hi);
   __m512 lv[L];
-  __m512i lo[L], hi[L], cnt[L];
+  __m512i lo[L], hi[L];
+  int64_t cnt[L] = {};  // counted with scalar popcounts: the vector ports are the busy ones
   for (int j = 0; j < L; ++j) {
     lv[j] = _mm512_set1_ps(level[j]);
-    lo[j] = hi[j] = cnt[j] = _mm512_setzero_si512();
+    lo[j] = hi[j] = _mm512_setzero_si512();
   }
-  const __m512i one = _mm512_set1_epi32(1);
   __m512i all_lo = _mm512_setzero_si512(), all_hi = all_lo;
   int64_t i = 0, nw = 0;
   for (; i + 16 <= v; i += 16) {
@@ -139,7 +139,7 @@ MR_AVX512 LevelMasses level_masses_avx512(const float* x, int64_t v, float m, co
       const __mmask16 k = _mm512_cmp_ps_mask(x16, lv[j], _CMP_GE_OQ);
       lo[j] = _mm512_mask_add_epi64(lo[j], static_cast<__mmask8>(k), lo[j], q_lo);
       hi[j] = _mm512_mask_add_epi64(hi[j], static_cast<__mmask8>(k >> 8), hi[j], q_hi);
-      cnt[j] = _mm512_mask_add_epi32(cnt[j], k, cnt[j], one);
+      cnt[j] += __builtin_popcount(k);
     }
     const __mmask16 in_window = _mm512_cmp_ps_mask(x16, wlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(x16, whi, _CMP_LT_OQ);
     _mm512_storeu_ps(window + nw, _mm512_maskz_compress_ps(in_window, x16));
@@ -148,7 +148,7 @@ MR_AVX512 LevelMasses level_masses_avx512(const float* x, int64_t v, float m, co
   out.all = _mm512_reduce_add_epi64(_mm512_add_epi64(all_lo, all_hi));
   for (int j = 0; j < L; ++j) {
     out.above[j] = _mm512_reduce_add_epi64(_mm512_add_epi64(lo[j], hi[j]));
-    out.count[j] = _mm512_reduce_add_epi32(cnt[j]);  // ids are int32: every count is below 2^31
+    out.count[j] = cnt[j];
   }
   for (; i < v; ++i) {
     const int64_t q = mass_q(det_exp(mr_add(x[i], -m)));
@@ -168,7 +168,7 @@ MR_AVX512 LevelMasses level_masses_avx512(const float* x, int64_t v, float m, co
 // Where top-p's threshold probably lies, from a weighted sample binned by nats below the max (1/32
 // nat bins, 24 nats deep; lower entries carry < 1e-10 of the max's mass): every entry of the
 // kHotBlocks blocks with the largest maxima (a peaked row's few large entries, which a sparse
-// sample would miss), and the first 16 entries of every other remaining block, counted 32 times.
+// sample would miss), and the first 16 entries of every 4th remaining block, counted 64 times.
 // Only a guess: it places the exact mass levels, never the support.
 constexpr int kHotBlocks = 8;
 constexpr int kEstimatePerNat = 32, kEstimateBins = 24 * kEstimatePerNat;
@@ -184,10 +184,14 @@ struct EstimateSums {
   double sampled_sq[kEstimateBins] = {};  // squared weighted masses of the sampled (not exact) entries
 };
 
-// Adds the masses (weighted) of the `live` lanes of x[0, 16) to the estimate's histogram.
-MR_AVX512 inline void estimate_add16(const float* x, uint32_t live, float m, float floor, double weight,
-                                     EstimateSums& e) {
-  alignas(64) float q[16];
+// Adds the masses of the `live` lanes of x[0, 16) to the estimate's histogram: counted exactly
+// (kSampled false: weight 1) or as a sample standing for kSampleWeight entries each.
+constexpr int64_t kSampleEvery = 4;  // blocks: 16 entries of every 4th block, 1/64 of the row
+constexpr float kSampleWeight = static_cast<float>(kSampleEvery * kBlock / 16);
+
+template <bool kSampled>
+MR_AVX512 inline void estimate_add16(const float* x, uint32_t live, float m, float floor, EstimateSums& e) {
+  alignas(64) float w[16];
   alignas(64) int32_t bin[16];
   const __m512 m16 = _mm512_set1_ps(m);
   const __m512 x16 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(live), x);
@@ -195,19 +199,21 @@ MR_AVX512 inline void estimate_add16(const float* x, uint32_t live, float m, flo
   live &= _mm512_cmp_ps_mask(x16, _mm512_set1_ps(floor), _CMP_GE_OQ) &
           _mm512_cmp_ps_mask(below, _mm512_set1_ps(24.0f), _CMP_LT_OQ);
   if (!live) return;
-  _mm512_store_ps(q, det_exp16(_mm512_sub_ps(x16, m16)));
-  _mm512_store_si512(bin, _mm512_cvttps_epi32(_mm512_mul_ps(below, _mm512_set1_ps(float(kEstimatePerNat)))));
+  __m512 q = _mm512_maskz_mov_ps(static_cast<__mmask16>(live), det_exp16(_mm512_sub_ps(x16, m16)));
+  if (kSampled) q = _mm512_mul_ps(q, _mm512_set1_ps(kSampleWeight));
+  _mm512_store_ps(w, q);
+  const double sum = _mm512_reduce_add_ps(q);
+  e.total += sum;
+  if (!kSampled) e.exact += sum;
+  // 0 <= bin (m is the row's max); the last bin takes everything deeper
+  const __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(below, _mm512_set1_ps(float(kEstimatePerNat))));
+  _mm512_store_si512(
+      bin, _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(kEstimateBins - 1)));
   while (live) {
     const int j = __builtin_ctz(live);
     live &= live - 1;
-    const double w = weight * q[j];
-    const int b = bin[j] < kEstimateBins ? bin[j] : kEstimateBins - 1;
-    e.hist[b] += w;
-    e.total += w;
-    if (weight > 1.0)
-      e.sampled_sq[b] += w * w;
-    else
-      e.exact += w;
+    e.hist[bin[j]] += w[j];
+    if (kSampled) e.sampled_sq[bin[j]] += static_cast<double>(w[j]) * w[j];
   }
 }
 
@@ -224,13 +230,13 @@ MR_AVX512 inline CutEstimate estimate_top_p_cut(const float* x, int64_t v, float
   for (int64_t h = 0; h < nhot; ++h) {
     const int64_t begin = order[h] * kBlock, end = std::min(v, begin + kBlock);
     for (int64_t i = begin; i < end; i += 16)
-      estimate_add16(x + i, end - i >= 16 ? 0xffffu : (1u << (end - i)) - 1, m, floor, 1.0, e);
+      estimate_add16<false>(x + i, end - i >= 16 ? 0xffffu : (1u << (end - i)) - 1, m, floor, e);
   }
   int64_t h = 0;
-  for (int64_t b = 0; b < nblocks; b += 2) {
+  for (int64_t b = 0; b < nblocks; b += kSampleEvery) {
     while (h < nhot && order[h] < b) ++h;
     if ((h < nhot && order[h] == b) || b * kBlock + 16 > v) continue;
-    estimate_add16(x + b * kBlock, 0xffffu, m, floor, 2.0 * kBlock / 16, e);
+    estimate_add16<true>(x + b * kBlock, 0xffffu, m, floor, e);
   }
   CutEstimate out;
   if (!(e.total > 0.0)) return out;

@@ -3,7 +3,7 @@
 //
 // Memory traffic per row (V entries, K kept; x = z / T in fp32 after the load pass, 4 bytes an
 // entry; a row of up to 256k entries stays in L2 between the passes):
-//   1. estimate_top_p_cut reads ~1/16 of x (8 blocks whole, a sample of the rest) and guesses where
+//   1. estimate_top_p_cut reads 8 blocks of x whole and 1/64 of the rest, and guesses where
 //      the threshold lies, with its sampling error, and whether the row is peaked (most of the
 //      mass in the blocks it counted whole);
 //   2. peaked rows (LLM rows: a few strong candidates): one read of x, one exp an entry, gives the
@@ -240,14 +240,17 @@ MR_AVX512 void top_p_levels_avx512(const float* x, int64_t v, float m, float flo
   out.resize(base + n);
 }
 
-template <typename T>
+// kDivide false at T == 1: z / 1 == z exactly, and a division per entry would cost more than the
+// rest of this pass.
+template <bool kDivide, typename T>
 MR_AVX512 void deferred_row_avx512(const T* z, int64_t v, float temp, float threshold, int64_t count, int32_t* dst) {
   const __m512 t16 = _mm512_set1_ps(temp), tau16 = _mm512_set1_ps(threshold);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) int32_t last[16];
   int64_t i = 0, n = 0;
   for (; i + 16 <= v; i += 16) {
-    const __mmask16 k = _mm512_cmp_ps_mask(_mm512_div_ps(load16(z + i), t16), tau16, _CMP_GE_OQ);
+    const __m512 x16 = kDivide ? _mm512_div_ps(load16(z + i), t16) : load16(z + i);
+    const __mmask16 k = _mm512_cmp_ps_mask(x16, tau16, _CMP_GE_OQ);
     const __m512i idx = _mm512_maskz_compress_epi32(k, _mm512_add_epi32(lane, _mm512_set1_epi32(int32_t(i))));
     const int c = __builtin_popcount(k);
     if (count - n >= 16) {
@@ -279,7 +282,10 @@ void select_top_p_levels(const float* x, int64_t v, float m, float floor, double
 
 template <typename T>
 void write_deferred_row(const T* z, int64_t v, float temp, float threshold, int64_t count, int32_t* dst) {
-  deferred_row_avx512(z, v, temp, threshold, count, dst);
+  if (temp == 1.0f)
+    deferred_row_avx512<false>(z, v, temp, threshold, count, dst);
+  else
+    deferred_row_avx512<true>(z, v, temp, threshold, count, dst);
 }
 
 #else  // no x86 vector path: capture_cpu.cpp never calls these
