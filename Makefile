@@ -4,7 +4,8 @@
 # make experiment  GRPO training of SmolLM2-135M on the CPU, replay off and on (docs/experiment.md)
 # make lint   ruff over the Python, clang-format --dry-run over csrc/ (both pinned: requirements-lint.txt)
 # make asan   AddressSanitizer copy of the CPU extension in build-asan/ (the in-place build is not
-#             touched) and the hostile-input fuzz loop over every op under it (ASAN_SECONDS, 60)
+#             touched), the hostile-input fuzz loop over every op under it (ASAN_SECONDS, 60), then
+#             the capture tests under it
 # CPU_ONLY=1  never compile the CUDA sources; FORCE_CUDA=1 compiles them without a GPU (CI), and
 #             fails if they cannot build
 PYTHON ?= python3
@@ -82,6 +83,10 @@ asan: $(VENV)/.installed
 	MASK_REPLAY_ASAN=1 MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --build-lib build-asan --build-temp build-asan/obj
 	LD_PRELOAD="$$(c++ -print-file-name=libasan.so) $$(c++ -print-file-name=libstdc++.so)" ASAN_OPTIONS=detect_leaks=0 \
 	  MASK_REPLAY_EXTENSION=$$(ls build-asan/mask_replay/_C*.so) $(PY) tests/ops/fuzz_ops.py --seconds $(ASAN_SECONDS)
+	# the capture kernel's wide-row paths (level search, narrowing, deferred output) are past the fuzz loop's sizes
+	LD_PRELOAD="$$(c++ -print-file-name=libasan.so) $$(c++ -print-file-name=libstdc++.so)" ASAN_OPTIONS=detect_leaks=0 \
+	  MASK_REPLAY_EXTENSION=$$(ls build-asan/mask_replay/_C*.so) $(PY) -m pytest -q -p no:cacheprovider \
+	  tests/sampler/test_capture.py tests/sampler/test_capture_vector_paths.py
 
 bench: build
 	$(PY) benchmarks/bench_capture.py
