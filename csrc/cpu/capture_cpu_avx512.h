@@ -339,6 +339,21 @@ MR_AVX512 inline int64_t values_in_range_avx512(const float* x, int64_t v, float
   return n;
 }
 
+// The sum of mass_q over n values.
+MR_AVX512 inline int64_t mass_sum_avx512(const float* val, int64_t n, float m) {
+  const __m512 m16 = _mm512_set1_ps(m), scale = _mm512_set1_ps(kMassScale);
+  __m512i lo = _mm512_setzero_si512(), hi = lo;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 q = _mm512_mul_ps(det_exp16(_mm512_sub_ps(_mm512_loadu_ps(val + i), m16)), scale);
+    lo = _mm512_add_epi64(lo, _mm512_cvttps_epi64(_mm512_castps512_ps256(q)));
+    hi = _mm512_add_epi64(hi, _mm512_cvttps_epi64(_mm512_extractf32x8_ps(q, 1)));
+  }
+  int64_t sum = _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+  for (; i < n; ++i) sum += mass_q(det_exp(mr_add(val[i], -m)));
+  return sum;
+}
+
 // order_key and mass_q of n values (the entries of one bracket), 16 at a time.
 MR_AVX512 inline void keys_and_masses_avx512(const float* val, int64_t n, float m, uint32_t* key, int64_t* mass) {
   const __m512 m16 = _mm512_set1_ps(m), scale = _mm512_set1_ps(kMassScale);

@@ -106,13 +106,13 @@ MR_AVX512 int place_levels(int pass, const CutEstimate& guess, float m, float fl
     // Peaked rows also get a level 2 nats beyond each side: their threshold sits on one of a few
     // large entries, and a guess that misses it (a large entry outside the hot blocks) then still
     // leaves a bracket of a few entries instead of another pass over the row.
+    // The window's lower edge is no level of the pass: the window's own masses give it
+    // (with_window_level), one compare and two masked adds an entry fewer.
     const float hw = guess.half_width, outer = guess.peaked ? 2.0f : 0.0f;
     if (outer > 0.0f) level[nlev++] = std::min(m, mr_add(guess.cut, hw + outer));
-    level[nlev++] = std::min(m, mr_add(guess.cut, hw));
-    level[nlev++] = std::max(floor, mr_add(guess.cut, -hw));
+    level[nlev++] = win_hi = std::min(m, mr_add(guess.cut, hw));
+    win_lo = std::max(floor, mr_add(guess.cut, -hw));
     if (outer > 0.0f) level[nlev++] = std::max(floor, mr_add(guess.cut, -hw - outer));
-    win_lo = level[outer > 0.0f ? 2 : 1];
-    win_hi = level[outer > 0.0f ? 1 : 0];
     return nlev;
   }
   const bool upward = pass > 0 && b.hi == -kNegInf;  // the threshold lies above every level so far
@@ -130,6 +130,25 @@ MR_AVX512 int place_levels(int pass, const CutEstimate& guess, float m, float fl
   return nlev;
 }
 
+// Adds the window's lower edge as a level to lm, from the level at its upper edge and the window's
+// values (mass and count): every entry at or above win_lo is at or above win_hi or in the window.
+MR_AVX512 int with_window_level(float* level, int nlev, LevelMasses& lm, float win_lo, float win_hi, const float* val,
+                                float m) {
+  int hi_at = 0;
+  while (hi_at < nlev && level[hi_at] != win_hi) ++hi_at;
+  if (hi_at == nlev || nlev == kMaxLevels) return nlev;  // no level at the upper edge: nothing derived
+  const int64_t window_mass = mass_sum_avx512(val, lm.window, m);
+  for (int j = nlev; j > hi_at + 1; --j) {  // make room below the upper edge
+    level[j] = level[j - 1];
+    lm.above[j] = lm.above[j - 1];
+    lm.count[j] = lm.count[j - 1];
+  }
+  level[hi_at + 1] = win_lo;
+  lm.above[hi_at + 1] = lm.above[hi_at] + window_mass;
+  lm.count[hi_at + 1] = lm.count[hi_at] + lm.window;
+  return nlev + 1;
+}
+
 // Level passes over the row until the bracket is small, or holds the window's values (then
 // returned in s.bracket, with their count; -1 otherwise). Sets total (Z) and logz on the first pass.
 MR_AVX512 int64_t search_bracket(const float* x, int64_t v, float m, float floor, double p, bool with_min_p,
@@ -140,9 +159,10 @@ MR_AVX512 int64_t search_bracket(const float* x, int64_t v, float m, float floor
     int nlev = place_levels(pass, guess, m, floor, b, level, win_lo, win_hi);
     if (nlev == 0) break;
     if (pass == 0 && with_min_p) level[nlev++] = floor;  // Z is the mass at or above it
-    const LevelMasses lm = level_masses_any(nlev, x, v, m, level, win_lo, win_hi, s.bracket.data());
+    LevelMasses lm = level_masses_any(nlev, x, v, m, level, win_lo, win_hi, s.bracket.data());
     if (pass == 0) {
       total = with_min_p ? lm.above[nlev - 1] : lm.all;
+      nlev = with_window_level(level, nlev, lm, win_lo, win_hi, s.bracket.data(), m);
       if (want_logz)
         res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(lm.all) / kMassScaleD));
     }
