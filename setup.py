@@ -22,6 +22,7 @@ from setuptools import find_packages, setup
 if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
+import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -69,14 +70,24 @@ def _cpu_arch_flags():
     return ["-mavx2", "-mfma", "-mf16c"] if all(f" {x}" in info for x in ("avx2", "fma", "f16c")) else []
 
 
+def _openmp_flags():
+    # at::parallel_for is a header template: under torch's OpenMP backend it runs its loop in a
+    # `#pragma omp parallel` region, which a translation unit built without -fopenmp compiles to a
+    # plain serial loop. Without this flag every CPU kernel here ran on one thread whatever
+    # torch.set_num_threads said. libgomp then resolves to the copy torch has already loaded.
+    if platform.system() == "Darwin" or not torch.backends.openmp.is_available():
+        return []
+    return ["-fopenmp"]
+
+
 def extensions():
     with_cuda = _want_cuda()
     # Layout (README "Layout"): schemas and checks at the top of csrc/, the torch-free math both devices
     # share in csrc/kernels/ (headers only), the CPU kernels in csrc/cpu/, the CUDA kernels in csrc/cuda/.
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # Shared kernel math must round the same on host and device: no FMA contraction on the host.
-    cxx = ["-O3", "-std=c++20", "-ffp-contract=off", "-fno-math-errno"] + _cpu_arch_flags()
-    link = []
+    cxx = ["-O3", "-std=c++20", "-ffp-contract=off", "-fno-math-errno"] + _cpu_arch_flags() + _openmp_flags()
+    link = _openmp_flags()
     if _flag("MASK_REPLAY_ASAN"):
         cxx += ["-O1", "-fsanitize=address", "-fno-omit-frame-pointer", "-g"]  # -O1: quicker to build, readable reports
         link += ["-fsanitize=address"]

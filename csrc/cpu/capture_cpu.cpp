@@ -288,7 +288,7 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   // [min-p threshold,] then levels below the max (x units; exp(-16) ~ 1e-7 of the max's mass)
   // from which top-p may start its scan.
   const bool top_p_alone = use_top_p && k <= 0;
-  float cut[kCuts];
+  float cut[kCuts] = {};
   int ncut = 0;
   if (with_min_p && top_p_alone) cut[ncut++] = thr;
   const int first_level = ncut;
