@@ -10,7 +10,9 @@ call) and "sm-out", torch's softmax kernel writing into a buffer allocated once 
 - llm: LLM-like logits (a few strong candidates over a long Gaussian tail, as LM heads produce: supports of a
   few to a few hundred tokens) on SHAPES;
 - n1, n2: N(0, 1) and N(0, 2) rows on WIDE_SHAPES, the worst case where top-p keeps most of the vocabulary
-  (base models at temperature 1, high-entropy positions).
+  (base models at temperature 1, high-entropy positions);
+- --dump PATH: real logits instead, the [N, V] tensor of a safetensors file (benchmarks/real_logits.py
+  writes SmolLM2-135M rollout logits).
 Goals (issue 21): capture <= 2x softmax of the same tensor for top-p 0.95, <= 1.0x torch.topk for top-k 50.
 """
 import argparse
@@ -19,6 +21,7 @@ import subprocess
 import time
 
 import torch
+from safetensors.torch import load_file
 
 import mask_replay
 
@@ -90,6 +93,7 @@ def main():
     ap.add_argument("--shapes", default=None, help="NxV,... (overrides every case's shapes)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--no-sort", action="store_true", help="skip the (slow) sort-based path")
+    ap.add_argument("--dump", default=None, help="safetensors file whose [N, V] tensor is benchmarked instead")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1 keeps ratios steady on a shared machine: a 2-thread op waits for its "
                          "slower thread whenever another process holds the other core)")
@@ -100,6 +104,13 @@ def main():
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         ap.error(f"--cases: unknown case {unknown[0]!r} (choose from {', '.join(CASES)})")
+    real = None
+    if args.dump:
+        tensors = [t for t in load_file(args.dump).values() if t.dim() == 2 and t.is_floating_point()]
+        if not tensors:
+            ap.error(f"--dump: {args.dump} holds no 2-D float tensor")
+        real = tensors[0].float()
+        cases = ["dump"]
     override = args.shapes and [tuple(int(a) for a in s.split("x")) for s in args.shapes.split(",")]
     # The package measured: run from a worktree with PYTHONPATH=. or the installed copy is timed.
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.reps} (ms), "
@@ -110,10 +121,10 @@ def main():
            f" {'GB/s':>6} {'sum GB/s':>8} {'mean|K|':>9}")
     print(hdr)
     for case in cases:
-        for n, v in override or CASES[case]:
+        for n, v in override or ([tuple(real.shape)] if real is not None else CASES[case]):
             for dname in args.dtypes.split(","):
                 dtype = getattr(torch, dname)
-                x = case_logits(case, n, v, dtype)
+                x = real.to(dtype) if real is not None else case_logits(case, n, v, dtype)
                 gbytes = x.numel() * x.element_size() / 1e9
                 for mode, kw in (("top_p.95", {"top_p": 0.95}), ("top_k50", {"top_k": 50})):
                     buf = torch.empty_like(x)
