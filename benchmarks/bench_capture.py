@@ -16,6 +16,7 @@ call) and "sm-out", torch's softmax kernel writing into a buffer allocated once 
 Goals (issue 21): capture <= 2x softmax of the same tensor for top-p 0.95, <= 1.0x torch.topk for top-k 50.
 """
 import argparse
+import os
 import statistics
 import subprocess
 import time
@@ -106,6 +107,8 @@ def main():
         ap.error(f"--cases: unknown case {unknown[0]!r} (choose from {', '.join(CASES)})")
     real = None
     if args.dump:
+        if not os.path.isfile(args.dump):
+            ap.error(f"--dump: no such file {args.dump}")
         tensors = [t for t in load_file(args.dump).values() if t.dim() == 2 and t.is_floating_point()]
         if not tensors:
             ap.error(f"--dump: {args.dump} holds no 2-D float tensor")
