@@ -98,6 +98,16 @@ MR_AVX512 LoadResult load_row_avx512(const T* z, int64_t v, float temp, float* x
   return r;
 }
 
+// mass_q (kernel_math.h) of 16 values as two 8-lane int64 halves: det_exp of x - m scaled by 2^40,
+// truncated (= mass_q's floor, the values being >= 0).
+struct Masses16 {
+  __m512i lo, hi;
+};
+MR_AVX512 inline Masses16 masses16(__m512 x16, __m512 m16) {
+  const __m512 q = _mm512_mul_ps(det_exp16(_mm512_sub_ps(x16, m16)), _mm512_set1_ps(kMassScale));
+  return {_mm512_cvttps_epi64(_mm512_castps512_ps256(q)), _mm512_cvttps_epi64(_mm512_extractf32x8_ps(q, 1))};
+}
+
 // Exact fixed-point masses (kernel_math.h's mass_q) of all entries and of the entries with
 // x >= level[j], and their counts, for L levels at once: per 16 entries one exp, then a compare,
 // two masked 64-bit adds and a masked count a level. Integer sums, so the order of the lanes does
@@ -116,7 +126,7 @@ MR_AVX512 LevelMasses level_masses_avx512(const float* x, int64_t v, float m, co
                                           float win_hi, float* window) {
   static_assert(L <= kMaxLevels, "LevelMasses holds kMaxLevels levels");
   LevelMasses out;
-  const __m512 m16 = _mm512_set1_ps(m), scale = _mm512_set1_ps(kMassScale);
+  const __m512 m16 = _mm512_set1_ps(m);
   const __m512 wlo = _mm512_set1_ps(win_lo), whi = _mm512_set1_ps(win_hi);
   __m512 lv[L];
   __m512i lo[L], hi[L];
@@ -129,16 +139,14 @@ MR_AVX512 LevelMasses level_masses_avx512(const float* x, int64_t v, float m, co
   int64_t i = 0, nw = 0;
   for (; i + 16 <= v; i += 16) {
     const __m512 x16 = _mm512_loadu_ps(x + i);
-    const __m512 q = _mm512_mul_ps(det_exp16(_mm512_sub_ps(x16, m16)), scale);
-    const __m512i q_lo = _mm512_cvttps_epi64(_mm512_castps512_ps256(q));  // truncation = mass_q's floor
-    const __m512i q_hi = _mm512_cvttps_epi64(_mm512_extractf32x8_ps(q, 1));
-    all_lo = _mm512_add_epi64(all_lo, q_lo);
-    all_hi = _mm512_add_epi64(all_hi, q_hi);
+    const Masses16 q = masses16(x16, m16);
+    all_lo = _mm512_add_epi64(all_lo, q.lo);
+    all_hi = _mm512_add_epi64(all_hi, q.hi);
 #pragma GCC unroll 8
     for (int j = 0; j < L; ++j) {
       const __mmask16 k = _mm512_cmp_ps_mask(x16, lv[j], _CMP_GE_OQ);
-      lo[j] = _mm512_mask_add_epi64(lo[j], static_cast<__mmask8>(k), lo[j], q_lo);
-      hi[j] = _mm512_mask_add_epi64(hi[j], static_cast<__mmask8>(k >> 8), hi[j], q_hi);
+      lo[j] = _mm512_mask_add_epi64(lo[j], static_cast<__mmask8>(k), lo[j], q.lo);
+      hi[j] = _mm512_mask_add_epi64(hi[j], static_cast<__mmask8>(k >> 8), hi[j], q.hi);
       cnt[j] += __builtin_popcount(k);
     }
     const __mmask16 in_window = _mm512_cmp_ps_mask(x16, wlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(x16, whi, _CMP_LT_OQ);
@@ -272,22 +280,20 @@ template <bool kMinP>
 MR_AVX512 MassesAndCandidates masses_and_candidates_avx512(const float* x, int64_t v, float m, float floor, float cut,
                                                            int32_t* ids) {
   MassesAndCandidates out;
-  const __m512 m16 = _mm512_set1_ps(m), scale = _mm512_set1_ps(kMassScale);
+  const __m512 m16 = _mm512_set1_ps(m);
   const __m512 floor16 = _mm512_set1_ps(floor), cut16 = _mm512_set1_ps(cut);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i all_lo = _mm512_setzero_si512(), all_hi = all_lo, sur_lo = all_lo, sur_hi = all_lo;
   int64_t i = 0, n = 0;
   for (; i + 16 <= v; i += 16) {
     const __m512 x16 = _mm512_loadu_ps(x + i);
-    const __m512 q = _mm512_mul_ps(det_exp16(_mm512_sub_ps(x16, m16)), scale);
-    const __m512i q_lo = _mm512_cvttps_epi64(_mm512_castps512_ps256(q));  // truncation = mass_q's floor
-    const __m512i q_hi = _mm512_cvttps_epi64(_mm512_extractf32x8_ps(q, 1));
-    all_lo = _mm512_add_epi64(all_lo, q_lo);
-    all_hi = _mm512_add_epi64(all_hi, q_hi);
+    const Masses16 q = masses16(x16, m16);
+    all_lo = _mm512_add_epi64(all_lo, q.lo);
+    all_hi = _mm512_add_epi64(all_hi, q.hi);
     if (kMinP) {
       const __mmask16 k = _mm512_cmp_ps_mask(x16, floor16, _CMP_GE_OQ);
-      sur_lo = _mm512_mask_add_epi64(sur_lo, static_cast<__mmask8>(k), sur_lo, q_lo);
-      sur_hi = _mm512_mask_add_epi64(sur_hi, static_cast<__mmask8>(k >> 8), sur_hi, q_hi);
+      sur_lo = _mm512_mask_add_epi64(sur_lo, static_cast<__mmask8>(k), sur_lo, q.lo);
+      sur_hi = _mm512_mask_add_epi64(sur_hi, static_cast<__mmask8>(k >> 8), sur_hi, q.hi);
     }
     const __mmask16 c = _mm512_cmp_ps_mask(x16, cut16, _CMP_GE_OQ);
     const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i)));
@@ -341,13 +347,13 @@ MR_AVX512 inline int64_t values_in_range_avx512(const float* x, int64_t v, float
 
 // The sum of mass_q over n values.
 MR_AVX512 inline int64_t mass_sum_avx512(const float* val, int64_t n, float m) {
-  const __m512 m16 = _mm512_set1_ps(m), scale = _mm512_set1_ps(kMassScale);
+  const __m512 m16 = _mm512_set1_ps(m);
   __m512i lo = _mm512_setzero_si512(), hi = lo;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 q = _mm512_mul_ps(det_exp16(_mm512_sub_ps(_mm512_loadu_ps(val + i), m16)), scale);
-    lo = _mm512_add_epi64(lo, _mm512_cvttps_epi64(_mm512_castps512_ps256(q)));
-    hi = _mm512_add_epi64(hi, _mm512_cvttps_epi64(_mm512_extractf32x8_ps(q, 1)));
+    const Masses16 q = masses16(_mm512_loadu_ps(val + i), m16);
+    lo = _mm512_add_epi64(lo, q.lo);
+    hi = _mm512_add_epi64(hi, q.hi);
   }
   int64_t sum = _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
   for (; i < n; ++i) sum += mass_q(det_exp(mr_add(val[i], -m)));
@@ -356,16 +362,16 @@ MR_AVX512 inline int64_t mass_sum_avx512(const float* val, int64_t n, float m) {
 
 // order_key and mass_q of n values (the entries of one bracket), 16 at a time.
 MR_AVX512 inline void keys_and_masses_avx512(const float* val, int64_t n, float m, uint32_t* key, int64_t* mass) {
-  const __m512 m16 = _mm512_set1_ps(m), scale = _mm512_set1_ps(kMassScale);
+  const __m512 m16 = _mm512_set1_ps(m);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 x16 = _mm512_loadu_ps(val + i);
     const __m512i u = _mm512_castps_si512(_mm512_add_ps(x16, _mm512_setzero_ps()));
     const __m512i flip = _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
     _mm512_storeu_si512(key + i, _mm512_xor_si512(u, flip));  // order_key
-    const __m512 q = _mm512_mul_ps(det_exp16(_mm512_sub_ps(x16, m16)), scale);
-    _mm512_storeu_si512(mass + i, _mm512_cvttps_epi64(_mm512_castps512_ps256(q)));
-    _mm512_storeu_si512(mass + i + 8, _mm512_cvttps_epi64(_mm512_extractf32x8_ps(q, 1)));
+    const Masses16 q = masses16(x16, m16);
+    _mm512_storeu_si512(mass + i, q.lo);
+    _mm512_storeu_si512(mass + i + 8, q.hi);
   }
   for (; i < n; ++i) {
     key[i] = order_key(val[i]);

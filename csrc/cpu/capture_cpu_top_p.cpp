@@ -76,24 +76,15 @@ MR_AVX512 void tighten(Bracket& b, const LevelMasses& lm, const float* level, in
   }
 }
 
+// level_masses_avx512 for a run-time number of levels (1 to kMaxLevels).
+using LevelMassesFn = LevelMasses (*)(const float*, int64_t, float, const float*, float, float, float*);
+constexpr LevelMassesFn kLevelMasses[kMaxLevels] = {
+    &level_masses_avx512<1>, &level_masses_avx512<2>, &level_masses_avx512<3>, &level_masses_avx512<4>,
+    &level_masses_avx512<5>, &level_masses_avx512<6>, &level_masses_avx512<7>};
+
 MR_AVX512 LevelMasses level_masses_any(int nlev, const float* x, int64_t v, float m, const float* level, float win_lo,
                                        float win_hi, float* window) {
-  switch (nlev) {
-    case 1:
-      return level_masses_avx512<1>(x, v, m, level, win_lo, win_hi, window);
-    case 2:
-      return level_masses_avx512<2>(x, v, m, level, win_lo, win_hi, window);
-    case 3:
-      return level_masses_avx512<3>(x, v, m, level, win_lo, win_hi, window);
-    case 4:
-      return level_masses_avx512<4>(x, v, m, level, win_lo, win_hi, window);
-    case 5:
-      return level_masses_avx512<5>(x, v, m, level, win_lo, win_hi, window);
-    case 6:
-      return level_masses_avx512<6>(x, v, m, level, win_lo, win_hi, window);
-    default:
-      return level_masses_avx512<7>(x, v, m, level, win_lo, win_hi, window);
-  }
+  return kLevelMasses[std::min(std::max(nlev, 1), kMaxLevels) - 1](x, v, m, level, win_lo, win_hi, window);
 }
 
 // The levels of one pass over the row, descending, and its window [win_lo, win_hi): the guess's
