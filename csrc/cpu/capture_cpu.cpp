@@ -238,9 +238,11 @@ RowOutcome select_row(const T* z, int64_t v, const RowParams& prm, bool want_log
   if (!in_place) s.x.resize(v);
   float* xbuf = in_place ? nullptr : s.x.data();
 #if MR_CPU_AVX512
-  if (avx512) s.block_max.resize(v / kBlock + 1);
-  const LoadResult lr =
-      avx512 ? load_row_avx512(z, v, prm.temperature, xbuf, s.block_max.data()) : load_row(z, v, prm.temperature, xbuf);
+  // Block maxima feed only the AVX-512 top-p estimate.
+  const bool levels = avx512 && top_p_active(prm.top_p) && prm.top_k <= 0;
+  if (levels) s.block_max.resize(v / kBlock + 1);
+  const LoadResult lr = avx512 ? load_row_avx512(z, v, prm.temperature, xbuf, levels ? s.block_max.data() : nullptr)
+                               : load_row(z, v, prm.temperature, xbuf);
 #else
   const LoadResult lr = load_row(z, v, prm.temperature, xbuf);
 #endif

@@ -201,11 +201,8 @@ MR_AVX512 bool top_p_peaked(const float* x, int64_t v, float m, float floor, dou
                                             : masses_and_candidates_avx512<false>(x, v, m, floor, cut, ids);
   if (mc.n <= kSmallBracket) {
     float* val = s.bracket.data();
-    int64_t at_cut = 0;
-    for (int64_t j = 0; j < mc.n; ++j) {
-      val[j] = x[ids[j]];
-      at_cut += mass_q(det_exp(mr_add(val[j], -m)));
-    }
+    for (int64_t j = 0; j < mc.n; ++j) val[j] = x[ids[j]];
+    const int64_t at_cut = mass_sum_avx512(val, mc.n, m);
     if (!below_top_p(at_cut, p, mc.survivors)) {
       if (want_logz)
         res.logz = static_cast<float>(static_cast<double>(m) + std::log(static_cast<double>(mc.all) / kMassScaleD));
