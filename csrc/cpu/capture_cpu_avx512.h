@@ -54,9 +54,10 @@ MR_AVX512 inline __m512 load16(const c10::Half* p) {
 
 // load_row (capture_cpu_loops.h) on 16 lanes, two accumulators: x = z / T, row max, defect flags,
 // and with `block_max` the max of every block of kBlock entries (the last one may be partial),
-// which tells the top-p estimate where a peaked row's few large entries are.
+// which tells the top-p estimate where a peaked row's few large entries are. kDivide false at T == 1:
+// z / 1 == z exactly, and a division per entry is a good part of this pass.
 constexpr int64_t kBlock = 256;
-template <typename T>
+template <bool kDivide, typename T>
 MR_AVX512 LoadResult load_row_avx512(const T* z, int64_t v, float temp, float* x, float* block_max) {
   LoadResult r;
   const __m512 t16 = _mm512_set1_ps(temp), inf16 = _mm512_set1_ps(-kNegInf);
@@ -68,7 +69,7 @@ MR_AVX512 LoadResult load_row_avx512(const T* z, int64_t v, float temp, float* x
     __m512 max_a = _mm512_set1_ps(kNegInf), max_b = max_a;
     for (const int64_t stop = i + kBlock; i < stop; i += 32) {
       const __m512 za = load16(z + i), zb = load16(z + i + 16);
-      const __m512 xa = _mm512_div_ps(za, t16), xb = _mm512_div_ps(zb, t16);
+      const __m512 xa = kDivide ? _mm512_div_ps(za, t16) : za, xb = kDivide ? _mm512_div_ps(zb, t16) : zb;
       if (x) {
         _mm512_storeu_ps(x + i, xa);
         _mm512_storeu_ps(x + i + 16, xb);
@@ -96,6 +97,12 @@ MR_AVX512 LoadResult load_row_avx512(const T* z, int64_t v, float temp, float* x
   if (defect) find_defect(z, v, temp, r);
   r.max = m;
   return r;
+}
+
+template <typename T>
+MR_AVX512 LoadResult load_row_avx512(const T* z, int64_t v, float temp, float* x, float* block_max) {
+  return temp == 1.0f ? load_row_avx512<false>(z, v, temp, x, block_max)
+                      : load_row_avx512<true>(z, v, temp, x, block_max);
 }
 
 // mass_q (kernel_math.h) of 16 values as two 8-lane int64 halves: det_exp of x - m scaled by 2^40,
