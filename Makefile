@@ -51,8 +51,10 @@ test:
 	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
 	$(PY) -m pytest -q tests
 
-# The inner loop: everything but the slow end-to-end runs (real model, engines, torchrun, wheels).
-test-fast: build
+# The inner loop: everything but the slow end-to-end runs (real model, engines, torchrun, wheels); the same
+# set-up as `make test` (the [hf] extra too: without it the tests of the optional paths fail, not skip).
+test-fast:
+	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
 	$(PY) -m pytest -q -m "not slow" tests
 
 $(VENV)/.deps-lint: $(VENV)/.deps requirements-lint.txt
