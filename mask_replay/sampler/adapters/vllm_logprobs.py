@@ -248,12 +248,18 @@ def _completion(label: str, key: list, tokens: list, positions: list, need: _Nee
                                         "most probable entry")
             ids, lps = [int(tok)], [0.0]
         else:
+            if vals[tok] == -math.inf:
+                raise EngineOutputError(f"{where}: the generated token {tok} has log-prob -inf (or null): it is "
+                                        "not in the support it was sampled from")
             ids = [int(k) for k, v in vals.items() if v > -math.inf]
             lps = [vals[k] for k in ids]
+            if vals[tok] == -math.inf:
+                raise EngineOutputError(f"{where}: sampled token {tok} is not in its support (processed log-prob "
+                                        "-inf or null)")
             _check_complete(where, len(ids), len(vals), lps, need)
         rows.append(ids)
         entries.append(lps)
-        token_lps.append(lps[ids.index(tok)] if tok in ids else -math.inf)
+        token_lps.append(lps[ids.index(tok)])
     return Completion(label, tokens, rows, token_lps, entries, key)
 
 
