@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import mask_replay as mr
 from mask_replay import SamplingMask
 from mask_replay.trainer.losses import COEFFICIENT_L1, RATIO_TRUNCATED, centering_weights, surrogate
+from tests.helpers import grads
 
 INF = float("inf")
 
@@ -297,3 +298,42 @@ def test_matches_the_row_by_row_reference_with_empty_rows_and_zero_probabilities
     (g,) = torch.autograd.grad(loss.sum(), lp)
     g_ref = torch.autograd.grad(want.sum(), lp, allow_unused=True)[0] if want.requires_grad else None
     assert torch.allclose(g, torch.zeros_like(g) if g_ref is None else g_ref, atol=1e-10)
+
+
+# ---- torch.compile (issue 30: the support check stopped the trace on a data-dependent guard) ------------
+def _compile_case():
+    mask, z_train, lq, _, adv = case(seed=5, n=5, v=11)
+    mask = SamplingMask.concat([mask, SamplingMask.from_lists([[]], sampled=torch.tensor([3]))])  # + an empty row
+    adv = torch.cat([adv, torch.ones(1, dtype=torch.float64)])
+    z = torch.cat([z_train, torch.randn(1, z_train.shape[1], dtype=torch.float64)])
+
+    def f(logits, lq):
+        loss, metrics = mr.score_centered_pg(mr.replay_support_logprobs(logits, mask, temperature=0.9), lq, mask,
+                                             adv, cap=1.5)
+        return torch.cat([loss, metrics[COEFFICIENT_L1][None], metrics[RATIO_TRUNCATED][None]])
+
+    return f, z, lq
+
+
+def _check_compiled(backend):
+    f, z, lq = _compile_case()
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(z, lq), f(z, lq))
+    (got,), (want,) = grads(lambda x: compiled(x, lq), z), grads(lambda x: f(x, lq), z)
+    torch.testing.assert_close(got, want)
+    # the host-side NaN check is not run when traced: the bad row's loss is NaN, the others unchanged
+    bad = lq.clone()
+    bad[-1] = float("nan")
+    out = compiled(z, bad)
+    assert torch.isnan(out[4]) and torch.equal(out[:4], f(z, lq)[:4])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_score_centered_pg_traces_fullgraph_and_matches_eager(backend):
+    _check_compiled(backend)
+
+
+@pytest.mark.slow
+def test_score_centered_pg_compiles_with_inductor():
+    _check_compiled("inductor")
