@@ -1,10 +1,21 @@
-"""SamplingMask: the recorded support of each sampled token, as CSR over rows."""
+"""SamplingMask: the recorded support of each sampled token, as CSR over rows.
+
+Engine adapters (SamplingMask.from_vllm / from_sglang / from_padded / to_padded): the code lives in
+mask_replay/sampler/adapters/, a layer above this one, and imports SamplingMask; this module never
+imports it. Each adapter registers its function under the method's name with ``@adapter("from_x")``
+when its module is imported (mask_replay/__init__ imports mask_replay.sampler.adapters, which imports
+every adapter), and the method here, which keeps its signature and doc, calls ``_adapter("from_x")``.
+So the imports point one way (adapters -> mask), with no function-level import. A new adapter that
+should also be a SamplingMask method: decorate its function, add the module to
+sampler/adapters/__init__.py, and add a two-line method here; one that is a plain function needs
+neither.
+"""
 from __future__ import annotations
 
 import json
 import numbers
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -19,6 +30,25 @@ _ROW_EXTRAS = ("sampled", "logprobs", "kept_mass")
 _EXTRA_DTYPES = {"sampled": torch.int64, "logprobs": torch.float32, "kept_mass": torch.float32}
 ENTRY_KEY = "entry_logprobs"  # the one per-entry column: float32 [nnz], aligned with token_ids
 
+_ADAPTERS: dict[str, Callable] = {}
+
+
+def adapter(method: str) -> Callable:
+    """Decorator of an engine adapter (sampler/adapters/): the function SamplingMask.<method> calls."""
+    def register(fn: Callable) -> Callable:
+        if _ADAPTERS.get(method, fn) is not fn:
+            raise RuntimeError(f"SamplingMask.{method} already has an adapter: {_ADAPTERS[method].__module__}")
+        _ADAPTERS[method] = fn
+        return fn
+    return register
+
+
+def _adapter(method: str) -> Callable:
+    try:
+        return _ADAPTERS[method]
+    except KeyError:  # only when mask_replay.mask is loaded without the package's __init__ having run
+        raise ImportError(f"SamplingMask.{method}: its adapter is not registered; import mask_replay.sampler.adapters "
+                          "(importing mask_replay does)") from None
 
 
 
@@ -234,37 +264,29 @@ class SamplingMask:
             mask.validate(source=str(path))
         return mask.to(device) if str(device) != "cpu" else mask
 
-    # ---- engine outputs and padded layouts (mask_replay/adapters) ----------------------------
+    # ---- engine outputs and padded layouts (sampler/adapters, registered: module doc) ----------------------------
     @classmethod
     def from_vllm(cls, outputs, **kwargs) -> "SamplingMask":
         """vLLM RequestOutputs / CompletionOutputs or /inference/v1/generate JSON, one row per
         generated token; kwargs temperature, step, vocab_size. See adapters.vllm."""
-        from mask_replay.sampler.adapters.vllm import mask_from_vllm
-
-        return mask_from_vllm(outputs, **kwargs)
+        return _adapter("from_vllm")(outputs, **kwargs)
 
     @classmethod
     def from_sglang(cls, outputs, **kwargs) -> "SamplingMask":
         """SGLang /generate responses or its fixed-capacity form; see adapters.sglang."""
-        from mask_replay.sampler.adapters.sglang import mask_from_sglang
-
-        return mask_from_sglang(outputs, **kwargs)
+        return _adapter("from_sglang")(outputs, **kwargs)
 
     def to_padded(self, width: Optional[int] = None):
         """(ids [N, width] int32 padded with -1, counts [N] int32), and with entry_logprobs a third
         tensor, logprobs [N, width] float32 padded with -inf; see adapters.padded."""
-        from mask_replay.sampler.adapters.padded import to_padded
-
-        return to_padded(self, width)
+        return _adapter("to_padded")(self, width)
 
     @classmethod
     def from_padded(cls, ids, counts, **kwargs) -> "SamplingMask":
         """Inverse of to_padded, with checks; kwargs strict_padding, vocab_size, metadata and
         per-row tensors (sampled, logprobs, ...), entry_logprobs [N, W] (padded like ids). See
         adapters.padded.mask_from_padded."""
-        from mask_replay.sampler.adapters.padded import mask_from_padded
-
-        return mask_from_padded(ids, counts, **kwargs)
+        return _adapter("from_padded")(ids, counts, **kwargs)
 
     # ---- trainer order -----------------------------------------------------------------------
     def align(self, order: Optional[torch.Tensor] = None, *, sequences=None, key: str = "sequence") -> "SamplingMask":

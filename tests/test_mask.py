@@ -1,4 +1,6 @@
 """SamplingMask: CSR contract, conversions and files."""
+import ast
+import importlib
 import os
 
 import pytest
@@ -7,7 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mask_replay import MaskFormatError, SamplingMask
+from mask_replay import mask as mask_module
 from mask_replay.errors import DumpError
+from mask_replay.mask import adapter
 
 
 def sample_mask():
@@ -116,3 +120,29 @@ def test_failed_save_leaves_nothing(tmp_path):
     with pytest.raises(Exception):
         SamplingMask(m.token_ids, m.offsets, extras={"x": object()}).save(target)
     assert not target.exists() and os.listdir(tmp_path) == []
+
+
+# ---- the engine methods reach sampler/adapters/ through their registration (issue 30: no import circle) ----
+@pytest.mark.parametrize("method, module, function", [
+    ("from_vllm", "mask_replay.sampler.adapters.vllm", "mask_from_vllm"),
+    ("from_sglang", "mask_replay.sampler.adapters.sglang", "mask_from_sglang"),
+    ("from_padded", "mask_replay.sampler.adapters.padded", "mask_from_padded"),
+    ("to_padded", "mask_replay.sampler.adapters.padded", "to_padded"),
+])
+def test_engine_methods_call_the_registered_adapter(method, module, function):
+    assert mask_module._adapter(method) is getattr(importlib.import_module(module), function)
+    assert getattr(SamplingMask, method).__doc__  # the public face keeps its doc
+
+
+def test_engine_methods_work_and_a_second_adapter_for_one_method_is_refused():
+    m = SamplingMask.from_lists([[1, 4], [2]])
+    ids, counts = m.to_padded()
+    assert SamplingMask.from_padded(ids, counts) == m
+    with pytest.raises(RuntimeError, match="SamplingMask.to_padded already has an adapter"):
+        adapter("to_padded")(lambda mask, width=None: None)
+
+
+def test_mask_module_imports_no_adapter():
+    tree = ast.parse(open(mask_module.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(m and m.startswith("mask_replay.sampler") for m in imported), imported

@@ -23,13 +23,12 @@ LAYERS = {
     "cli": 4,
 }
 
-# Function-level first-party imports, each with its reason. SamplingMask's file and engine methods
-# are the public face of layers above the core (files/, sampler/adapters/), which build masks.
+# Function-level first-party imports, each with its reason. SamplingMask's file methods are the
+# public face of a layer above the core (files/), which builds masks. (Its engine methods from_vllm /
+# from_sglang / from_padded / to_padded are not here: the adapters register themselves with
+# mask.adapter, so mask.py imports nothing from sampler/adapters/: mask.py's module doc.)
 ALLOWED_LATE = {
     ("mask_replay.mask", "mask_replay.files.safetensors_stream"): "SamplingMask.save and load",
-    ("mask_replay.mask", "mask_replay.sampler.adapters.vllm"): "SamplingMask.from_vllm",
-    ("mask_replay.mask", "mask_replay.sampler.adapters.sglang"): "SamplingMask.from_sglang",
-    ("mask_replay.mask", "mask_replay.sampler.adapters.padded"): "SamplingMask.to_padded / from_padded",
 }
 
 

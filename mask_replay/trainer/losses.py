@@ -15,11 +15,13 @@ vanishes itself (sum_v q_v grad log p_v = grad sum_v p_v = 0). O(nnz), torch ops
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from mask_replay.csr import segment_sum
+from mask_replay.errors import InputError, OutsideSupportError
 from mask_replay.mask import SamplingMask
 
 __all__ = ["score_centered_pg", "DEFAULT_CAP"]
@@ -27,6 +29,24 @@ __all__ = ["score_centered_pg", "DEFAULT_CAP"]
 DEFAULT_CAP = 2.0
 COEFFICIENT_L1 = "score_centering/coefficient_l1"
 RATIO_TRUNCATED = "ratio_truncated_frac"
+INF = float("inf")
+
+
+def _refuse_bad_rows(op, bad_row, bad_entry, found, has_support, lp, lq, ids, sampled, offsets) -> None:
+    """One error naming the first bad row: a sampled token outside its (non-empty) support, or a NaN /
+    +inf log-prob (treating it as probability 0 would change the loss without a word)."""
+    if not bool(bad_row.any()):
+        return
+    r = int(torch.nonzero(bad_row)[0])
+    start, stop = int(offsets[r]), int(offsets[r + 1])
+    if bool(has_support[r]) and int(found[r]) != 1:
+        raise OutsideSupportError(f"{op}: sampled token {int(sampled[r])} is not in the support of row {r} "
+                                  f"({stop - start} tokens): no ratio p_y / q_y there")
+    e = start + int(torch.nonzero(bad_entry[start:stop])[0])
+    for name, t in (("trainer_logprobs", lp), ("rollout_logprobs", lq)):
+        if not bool(torch.isfinite(t[e]) | (t[e] == -INF)):
+            raise InputError(f"{op}: {name} has {float(t[e])} at row {r} (token {int(ids[e])}, entry {e}); "
+                             "a log-prob must be a number <= 0 or -inf (probability 0)")
 
 
 def _row_values(name: str, values, n: int, shape, kept, device, dtype) -> torch.Tensor:
@@ -65,9 +85,16 @@ def score_centered_pg(
 
     Returns (loss, metrics). loss is [N] (per mask row), or with labels / loss_mask the labels'
     shape with 0 at ignored positions (gradient 0 there), like replay_logprobs' batch layouts.
-    metrics (0-d detached tensors, means over the tokens): "score_centering/coefficient_l1", the
-    sum over S of |q_v w_v| per token; "ratio_truncated_frac", the share of tokens whose
-    p_y / q_y > C. Reduce the loss as your trainer does (mean over tokens, per sequence, ...).
+    metrics (0-d detached tensors, means over the tokens with a non-empty support):
+    "score_centering/coefficient_l1", the sum over S of |q_v w_v| per token; "ratio_truncated_frac",
+    the share of tokens whose p_y / q_y > C (q_y = 0 < p_y counts, with w_y = C). Reduce the loss as
+    your trainer does (mean over tokens, per sequence, ...).
+
+    A row with an empty support (a forced token: replay_logprobs(fallback=True) reports it as
+    FELL_BACK_EMPTY) has loss 0 and no gradient: the rollout put all its mass on y, there is no
+    distribution over S to weight or centre, as with |S| = 1. Its ``sampled`` entry is not checked.
+    A NaN or +inf log-prob (either side, any entry) raises an InputError naming the row and token;
+    under torch.compile that check is not run and the row's loss is NaN instead.
     """
     op = "score_centered_pg"
     if not isinstance(mask, SamplingMask):
@@ -109,19 +136,24 @@ def score_centered_pg(
         raise ValueError(f"{op}: sampled must be a tensor [{n}] (one per mask row)")
     ids = mask.token_ids.to(device=device, dtype=torch.int64)
     offsets = mask.offsets.to(device=device, dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(n, device=device), offsets[1:] - offsets[:-1], output_size=nnz)
+    lengths = offsets[1:] - offsets[:-1]
+    rows = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=nnz)
     is_y = ids == sampled.to(device=device, dtype=torch.int64)[rows]
     found = segment_sum(is_y.to(torch.int64), rows, n)
-    if n and bool((found != 1).any()):
-        r = int(torch.nonzero(found != 1)[0])
-        raise ValueError(f"{op}: sampled token {int(sampled[r])} is not in the support of row {r} "
-                         f"({int(offsets[r + 1] - offsets[r])} tokens): no ratio p_y / q_y there")
+    has_support = lengths > 0  # an empty row is a forced token: loss 0, outside the metrics (module doc)
+    bad_entry = torch.isnan(lp.detach()) | torch.isnan(lq) | (lp.detach() == INF) | (lq == INF)
+    bad_row = (has_support & (found != 1)) | (segment_sum(bad_entry.to(torch.int64), rows, n) > 0)
+    if not torch.compiler.is_compiling():  # host-side checks; traced, a bad row's loss is NaN instead
+        _refuse_bad_rows(op, bad_row, bad_entry, found, has_support, lp, lq, ids, sampled, offsets)
 
     w_y, coef, truncated = centering_weights(lp.detach(), lq, rows, is_y, n, cap)
     loss = -adv * surrogate(lp, w_y, coef, rows, is_y, n)
+    loss = torch.where(bad_row, torch.full_like(loss, float("nan")), loss)
+    kept_rows = has_support.to(dtype)
+    count = kept_rows.sum().clamp(min=1)
     metrics = {
-        COEFFICIENT_L1: segment_sum(coef.abs(), rows, n).mean() if n else torch.zeros((), dtype=dtype, device=device),
-        RATIO_TRUNCATED: truncated.mean() if n else torch.zeros((), dtype=dtype, device=device),
+        COEFFICIENT_L1: (segment_sum(coef.abs(), rows, n) * kept_rows).sum() / count,
+        RATIO_TRUNCATED: (truncated * kept_rows).sum() / count,
     }
     if shape is not None:
         total = 1
@@ -134,13 +166,17 @@ def score_centered_pg(
 @torch.no_grad()
 def centering_weights(lp: torch.Tensor, lq: torch.Tensor, rows, is_y, n: int, cap: float):
     """The stop-gradient factors: (w_y [N], q_v w_v [nnz], 1 where p_y / q_y > cap [N]). The ratio
-    is taken in log space; q_v = 0 (lq = -inf) gives a 0 coefficient, not 0 * inf."""
-    log_ratio = lp - lq
-    w = torch.clamp(torch.exp(torch.where(torch.isfinite(lq), log_ratio, torch.zeros_like(lq))), max=cap)
+    is taken in log space; q_v = 0 (lq = -inf) gives a 0 coefficient, not 0 * inf, and p_y / q_y =
+    +inf for a sampled entry with q_y = 0 < p_y: w_y = C, counted as truncated."""
+    # q_v = 0 (lq = -inf): the ratio is +inf where p_v > 0 (weight C, truncated) and 0 where p_v = 0
+    # too; the weight and the truncation count read the same log-ratio, so they always agree.
+    q_zero = lq == -INF
+    log_ratio = torch.where(q_zero, torch.where(lp > -INF, INF, -INF), lp - lq)
+    w = torch.clamp(torch.exp(log_ratio), max=cap)
     q = torch.exp(lq)
     coef = torch.where(q > 0, q * w, torch.zeros_like(q))
     w_y = segment_sum(torch.where(is_y, w, torch.zeros_like(w)), rows, n)
-    over = is_y & (log_ratio > torch.log(torch.tensor(float(cap), dtype=lp.dtype)))
+    over = is_y & (log_ratio > math.log(cap))
     return w_y, coef, segment_sum(over.to(lp.dtype), rows, n)
 
 

@@ -53,8 +53,17 @@ def check_head(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias: Option
 
 def support_logits(hidden, weight, bias, offsets, rows, ids, *, sparse_grad: bool) -> torch.Tensor:
     """x_e = <hidden[rows_e], weight[ids_e]> + bias[ids_e] in the compute dtype ([nnz]), reading
-    only the support's weight rows (O(nnz x d)); sparse_grad makes the weight gradient sparse."""
-    x = _SupportDot.apply(hidden, weight, offsets, rows, ids, sparse_grad)
+    only the support's weight rows (O(nnz x d)); sparse_grad makes the weight gradient sparse.
+    Under torch.compile: one [nnz, d] gather-multiply-sum of torch ops (_SupportDot's CSR kernels
+    and chunk loop do not trace), with autograd's dense weight gradient; sparse_grad is refused there."""
+    if torch.compiler.is_compiling():
+        if sparse_grad:
+            raise ValueError("sparse_grad=True (a sparse COO weight gradient) is not supported under torch.compile; "
+                             "pass sparse_grad=False there")
+        acc = compute_dtype(hidden.dtype)
+        x = (hidden.index_select(0, rows).to(acc) * weight.index_select(0, ids).to(acc)).sum(dim=1)
+    else:
+        x = _SupportDot.apply(hidden, weight, offsets, rows, ids, sparse_grad)
     if bias is not None:
         x = x + bias[ids].to(x.dtype)
     return x

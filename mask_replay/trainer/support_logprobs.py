@@ -8,9 +8,11 @@ composition of torch ops over the gathered support logits: one gather of the nnz
 reductions in float64 (csr.support_log_softmax), no pass over the [N, V] logits beyond the gather and
 the one dense write of their gradient that any loss on [N, V] logits pays. That is why there is no
 C++ kernel for it: a kernel pays off where the composition would read [N, V] again, which this one
-never does. Being torch ops only, it traces under torch.compile(fullgraph=True) (the [N, V] path;
-the host-side mask checks run in eager mode only: under compilation the mask is taken as valid, so
-validate it once, e.g. with ``mask.validate(vocab_size)``).
+never does. Being torch ops only, it traces under torch.compile(fullgraph=True) (the [N, V] path
+and the sparse LM head without sparse_grad; tests/trainer/test_support_logprobs.py checks compiled ==
+eager): the mask and temperature checks read values back to the host, so they run in eager mode
+only; under compilation the mask is taken as valid, so validate it once, e.g. with
+``mask.validate(vocab_size)``.
 
 Layouts, as replay_logprobs takes them: logits [N, V] (one mask row per row); [B, T, V] with labels
 [B, T] (ignore_index, and/or loss_mask, marks positions without a mask row; the mask has one row per
@@ -34,7 +36,8 @@ __all__ = ["replay_support_logprobs", "replay_support_logprobs_from_hidden", "su
 
 
 def _csr_for(mask: SamplingMask, n: int, vocab: int, device, op: str):
-    """(ids int64, rows int64) on `device`; checked on the host in eager mode only (see the module)."""
+    """(ids int64, offsets int64, rows int64) on `device`; the CSR contract is checked (one device
+    read-back) in eager mode only: traced, that read-back is a data-dependent branch (see the module)."""
     if not isinstance(mask, SamplingMask):
         raise TypeError(f"{op}: mask must be a SamplingMask, got {type(mask).__name__}")
     if torch.compiler.is_compiling():
@@ -44,9 +47,8 @@ def _csr_for(mask: SamplingMask, n: int, vocab: int, device, op: str):
         offsets = mask.offsets.to(device=device, dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(n, device=device), offsets[1:] - offsets[:-1],
                                        output_size=ids.numel())
-        return ids, rows
-    ids, _, rows = mask_csr(mask, n, vocab, device, op)
-    return ids, rows
+        return ids, offsets, rows
+    return mask_csr(mask, n, vocab, device, op)
 
 
 def _kept_positions(op, shape, labels, loss_mask, ignore_index, device) -> torch.Tensor:
@@ -96,7 +98,7 @@ def replay_support_logprobs(
     batch = logits.dim() == 3 or labels is not None or loss_mask is not None or cu_seqlens is not None
     if not batch:
         n = logits.shape[0]
-        ids, rows = _csr_for(mask, n, vocab, device, op)
+        ids, _, rows = _csr_for(mask, n, vocab, device, op)
         t = temperature_per_row(temperature, n, device, allow_zero=False, op=op,
                                 check_values=not torch.compiler.is_compiling())
         x = logits[rows, ids].to(acc) / t.to(acc)[rows]
@@ -111,7 +113,7 @@ def replay_support_logprobs(
     if mask.num_rows != n:
         raise ValueError(f"{op}: the mask has {mask.num_rows} rows but the batch has {n} positions that are not "
                          "ignored (mask.align(...) maps another order)")
-    ids, rows = _csr_for(mask, n, vocab, device, op)
+    ids, _, rows = _csr_for(mask, n, vocab, device, op)
     t = _position_temperature(temperature, shape, cu, device).reshape(-1)[kept]
     bad = ~(torch.isfinite(t) & (t > 0))
     if n and bool(bad.any()):
@@ -144,8 +146,9 @@ def replay_support_logprobs_from_hidden(
     n, device = hidden.shape[0], hidden.device
     out = output_dtype(out_dtype, hidden.dtype, op)
     acc = compute_dtype(hidden.dtype)
-    ids, offsets, rows = mask_csr(mask, n, weight.shape[0], device, op)
-    t = temperature_per_row(temperature, n, device, allow_zero=False, op=op, check_values=True).to(acc)
+    ids, offsets, rows = _csr_for(mask, n, weight.shape[0], device, op)
+    t = temperature_per_row(temperature, n, device, allow_zero=False, op=op,
+                            check_values=not torch.compiler.is_compiling()).to(acc)
     x = support_logits(hidden, weight, bias, offsets, rows, ids, sparse_grad=sparse_grad) / t[rows]
     return support_log_softmax(x, rows, n).to(out)
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import mask_replay as mr
 from mask_replay import SamplingMask
 from mask_replay.trainer.losses import COEFFICIENT_L1, RATIO_TRUNCATED, centering_weights, surrogate
+from tests.helpers import grads
 
 INF = float("inf")
 
@@ -179,3 +180,160 @@ def test_centering_holds_for_random_p_q_and_cap(k, seed, cap, spread):
         (g_lp,) = torch.autograd.grad(loss.sum(), lp)
         total += lq[y].exp() * g_lp
     assert torch.allclose(total, torch.zeros(k, dtype=torch.float64), atol=1e-12)
+
+
+# ---- issue 30: empty rows, NaN / +inf log-probs, a sampled entry with q_y = 0 -------------------------
+def row_loss_ref(lp, lq, rows, sampled, adv, cap):
+    """An independent float64 reference, row by row in Python numbers: (loss [N] as a function of lp
+    with the weights held, mask of rows with a support, truncated [N]). Ratios are p / q in linear
+    space; q = 0 gives +inf where p > 0 and 0 where p = 0; empty rows are 0 and outside the metrics."""
+    losses, kept, truncated = [], [], []
+    e = 0
+    for i, ids in enumerate(rows):
+        k = len(ids)
+        if k == 0:
+            losses.append(lp.new_zeros(()))
+            kept.append(False)
+            truncated.append(0.0)
+            continue
+        total, over = lp.new_zeros(()), 0.0
+        for j in range(k):
+            p, q = math.exp(float(lp[e + j].detach())), math.exp(float(lq[e + j]))
+            ratio = p / q if q > 0 else (math.inf if p > 0 else 0.0)
+            w = min(ratio, cap)
+            if ids[j] == sampled[i]:
+                over = 1.0 if ratio > cap else 0.0
+                if p > 0:
+                    total = total + w * lp[e + j]
+            if q > 0 and p > 0:
+                total = total - q * w * lp[e + j]
+        losses.append(-float(adv[i]) * total)
+        kept.append(True)
+        truncated.append(over)
+        e += k
+    return torch.stack(losses), torch.tensor(kept), torch.tensor(truncated, dtype=torch.float64)
+
+
+def test_an_empty_row_is_a_forced_token_with_zero_loss_and_no_gradient():
+    rows = [[1, 3, 4], [], [0, 2]]
+    mask = SamplingMask.from_lists(rows, sampled=torch.tensor([3, 5, 0]))
+    lq = torch.log(torch.tensor([0.2, 0.5, 0.3, 0.2, 0.8], dtype=torch.float64))
+    lp = torch.log(torch.tensor([0.5, 0.25, 0.25, 0.9, 0.1], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.5, 2.0, -0.5], dtype=torch.float64)
+    loss, metrics = mr.score_centered_pg(lp, lq, mask, adv)
+    want, kept, trunc = row_loss_ref(lp, lq, rows, [3, 5, 0], adv, 2.0)
+    assert torch.allclose(loss, want, atol=1e-12) and loss[1] == 0
+    (g,) = torch.autograd.grad(loss.sum(), lp)
+    (g_ref,) = torch.autograd.grad(want.sum(), lp)
+    assert torch.allclose(g, g_ref, atol=1e-12)
+    # the metrics average over the two rows that have a support
+    assert metrics[RATIO_TRUNCATED].item() == pytest.approx(trunc[kept].mean().item())
+    assert metrics[RATIO_TRUNCATED].item() == pytest.approx(0.5)  # row 0: 0.25 / 0.5 < 2; row 2: 0.9 / 0.2 > 2
+    assert metrics[COEFFICIENT_L1].item() < 1.0 + 1e-12
+
+
+def test_all_rows_empty_gives_zero_loss_and_zero_metrics():
+    mask = SamplingMask.from_lists([[], []], sampled=torch.tensor([1, 2]))
+    empty = torch.zeros(0, dtype=torch.float64)
+    loss, metrics = mr.score_centered_pg(empty, empty, mask, 1.0)
+    assert loss.tolist() == [0.0, 0.0]
+    assert metrics[COEFFICIENT_L1].item() == 0.0 and metrics[RATIO_TRUNCATED].item() == 0.0
+
+
+@pytest.mark.parametrize("side", ["trainer_logprobs", "rollout_logprobs"])
+@pytest.mark.parametrize("bad", [float("nan"), INF])
+def test_nan_or_pos_inf_log_probs_of_a_non_sampled_entry_are_refused_naming_the_row(side, bad):
+    mask = SamplingMask.from_lists([[0, 1], [2, 5, 7]], sampled=torch.tensor([0, 2]))
+    lq = torch.log(torch.tensor([0.5, 0.5, 0.2, 0.3, 0.5], dtype=torch.float64))
+    lp = lq.clone()
+    (lp if side == "trainer_logprobs" else lq)[4] = bad  # row 1, token 7: not the sampled one
+    with pytest.raises(mr.errors.InputError, match=rf"{side} has {bad} at row 1 \(token 7, entry 4\)"):
+        mr.score_centered_pg(lp, lq, mask, 1.0)
+
+
+@pytest.mark.parametrize("cap", [2.0, 5.0])
+def test_a_sampled_entry_with_rollout_probability_zero_has_weight_cap_and_counts_as_truncated(cap):
+    rows = [[0, 1, 2], [3, 4]]
+    mask = SamplingMask.from_lists(rows, sampled=torch.tensor([2, 3]))
+    lq = torch.tensor([math.log(0.5), math.log(0.5), -INF, math.log(0.9), math.log(0.1)], dtype=torch.float64)
+    lp = torch.log(torch.tensor([0.3, 0.3, 0.4, 0.8, 0.2], dtype=torch.float64)).requires_grad_()
+    loss, metrics = mr.score_centered_pg(lp, lq, mask, 1.0, cap=cap)
+    w_y, _, truncated = centering_weights(lp.detach(), lq, mask.row_ids(), torch.tensor(
+        [False, False, True, True, False]), 2, cap)
+    assert w_y[0].item() == cap and truncated.tolist() == [1.0, 0.0]  # weight and count agree
+    want, _, trunc = row_loss_ref(lp, lq, rows, [2, 3], torch.ones(2, dtype=torch.float64), cap)
+    assert torch.allclose(loss, want, atol=1e-12)
+    assert metrics[RATIO_TRUNCATED].item() == pytest.approx(trunc.mean().item()) == pytest.approx(0.5)
+    (g,) = torch.autograd.grad(loss.sum(), lp)
+    (g_ref,) = torch.autograd.grad(want.sum(), lp)
+    assert torch.allclose(g, g_ref, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), n=st.integers(1, 6), cap=st.sampled_from([0.5, 1.0, 2.0, 10.0]))
+def test_matches_the_row_by_row_reference_with_empty_rows_and_zero_probabilities(data, n, cap):
+    rows, sampled = [], []
+    for _ in range(n):
+        ids = sorted(data.draw(st.sets(st.integers(0, 9), max_size=5)))
+        rows.append(ids)
+        sampled.append(data.draw(st.sampled_from(ids)) if ids else data.draw(st.integers(0, 9)))
+    mask = SamplingMask.from_lists(rows, sampled=torch.tensor(sampled))
+    nnz = mask.nnz
+
+    def logprobs(name):
+        raw = torch.tensor(data.draw(st.lists(st.floats(-3, 3), min_size=nnz, max_size=nnz), label=name),
+                           dtype=torch.float64)
+        zero = torch.tensor(data.draw(st.lists(st.booleans(), min_size=nnz, max_size=nnz), label=name + "0"),
+                            dtype=torch.bool)
+        return torch.where(zero, torch.full_like(raw, -INF), raw)
+
+    lp, lq = logprobs("lp").requires_grad_(), logprobs("lq")
+    adv = torch.tensor(data.draw(st.lists(st.floats(-2, 2), min_size=n, max_size=n)), dtype=torch.float64)
+    loss, metrics = mr.score_centered_pg(lp, lq, mask, adv, cap=cap)
+    want, kept, trunc = row_loss_ref(lp, lq, rows, sampled, adv, cap)
+    assert torch.allclose(loss, want, atol=1e-10)
+    assert torch.isfinite(loss).all()
+    want_trunc = trunc[kept].mean().item() if bool(kept.any()) else 0.0
+    assert metrics[RATIO_TRUNCATED].item() == pytest.approx(want_trunc)
+    (g,) = torch.autograd.grad(loss.sum(), lp)
+    g_ref = torch.autograd.grad(want.sum(), lp, allow_unused=True)[0] if want.requires_grad else None
+    assert torch.allclose(g, torch.zeros_like(g) if g_ref is None else g_ref, atol=1e-10)
+
+
+# ---- torch.compile (issue 30: the support check stopped the trace on a data-dependent guard) ------------
+def _compile_case():
+    mask, z_train, lq, _, adv = case(seed=5, n=5, v=11)
+    mask = SamplingMask.concat([mask, SamplingMask.from_lists([[]], sampled=torch.tensor([3]))])  # + an empty row
+    adv = torch.cat([adv, torch.ones(1, dtype=torch.float64)])
+    z = torch.cat([z_train, torch.randn(1, z_train.shape[1], dtype=torch.float64)])
+
+    def f(logits, lq):
+        loss, metrics = mr.score_centered_pg(mr.replay_support_logprobs(logits, mask, temperature=0.9), lq, mask,
+                                             adv, cap=1.5)
+        return torch.cat([loss, metrics[COEFFICIENT_L1][None], metrics[RATIO_TRUNCATED][None]])
+
+    return f, z, lq
+
+
+def _check_compiled(backend):
+    f, z, lq = _compile_case()
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(z, lq), f(z, lq))
+    (got,), (want,) = grads(lambda x: compiled(x, lq), z), grads(lambda x: f(x, lq), z)
+    torch.testing.assert_close(got, want)
+    # the host-side NaN check is not run when traced: the bad row's loss is NaN, the others unchanged
+    bad = lq.clone()
+    bad[-1] = float("nan")
+    out = compiled(z, bad)
+    assert torch.isnan(out[4]) and torch.equal(out[:4], f(z, lq)[:4])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_score_centered_pg_traces_fullgraph_and_matches_eager(backend):
+    _check_compiled(backend)
+
+
+@pytest.mark.slow
+def test_score_centered_pg_compiles_with_inductor():
+    _check_compiled("inductor")

@@ -224,3 +224,34 @@ def test_vocab_parallel_matches_single_process():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in range(2):
         assert f"rank {rank}: support log-probs ok" in proc.stdout, proc.stdout[-3000:]
+
+
+def _head_case(seed=3, n=5, v=17, d=6):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, d, generator=g), torch.randn(v, d, generator=g), torch.randn(v, generator=g),
+            random_mask(n, v, seed=seed, empty=0.2))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_from_hidden_traces_fullgraph_and_matches_eager(backend):
+    """Issue 30: the eager mask check (a device read-back) stopped the trace on a data-dependent guard."""
+    hidden, weight, bias, mask = _head_case()
+    t = torch.linspace(0.6, 1.4, hidden.shape[0])
+
+    def f(h, w, b):
+        return mr.replay_support_logprobs_from_hidden(h, w, mask, temperature=t, bias=b)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(hidden, weight, bias), f(hidden, weight, bias))
+    for got, want in zip(grads(compiled, hidden, weight, bias), grads(f, hidden, weight, bias)):
+        torch.testing.assert_close(got, want)
+
+
+def test_from_hidden_under_compile_refuses_sparse_grad_by_name():
+    hidden, weight, _, mask = _head_case()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h, w: mr.replay_support_logprobs_from_hidden(h, w, mask, sparse_grad=True),
+                             fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="sparse_grad=True .* is not supported under torch.compile"):
+        compiled(hidden, weight)

@@ -2,7 +2,7 @@
 into the fields of one SamplingMask, with errors that name the request, the choice and the token.
 
 The adapters build SamplingMask directly; SamplingMask.from_vllm / from_sglang / from_padded are
-their public face (mask.py reaches them through a listed function-level import: tests/test_layout.py).
+their public face (each adapter registers itself with mask.adapter; mask.py never imports this layer).
 
 An engine reports, per generated token, the ids its sampler could have drawn (in any order); the
 adapters turn that into CSR rows (ids ascending), one row per generated token, requests in the

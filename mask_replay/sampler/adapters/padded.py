@@ -11,13 +11,14 @@ from typing import Optional
 import torch
 
 from mask_replay.errors import EngineOutputError
-from mask_replay.mask import SamplingMask
+from mask_replay.mask import SamplingMask, adapter
 from mask_replay.params import INT_DTYPES
 from mask_replay.sampler.adapters.common import INT32_LIMIT
 
 PAD = -1
 
 
+@adapter("to_padded")
 def to_padded(mask, width: Optional[int] = None):
     """(ids [N, width] int32 padded with -1, counts [N] int32), plus, when the mask carries
     entry_logprobs, logprobs [N, width] float32 padded with -inf (probability 0, as prime-rl pads its
@@ -51,6 +52,7 @@ def to_padded(mask, width: Optional[int] = None):
     return ids, lengths.to(torch.int32), lp
 
 
+@adapter("from_padded")
 def mask_from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Optional[int] = None,
                 source: str = "padded mask", metadata: Optional[dict] = None, entry_logprobs=None, **extras):
     """The mask of a padded layout. Checks: ids 2-D integer, counts [N] integer in [0, W];

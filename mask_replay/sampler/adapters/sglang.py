@@ -18,10 +18,12 @@ from typing import Any, Optional
 import torch
 
 from mask_replay.errors import EngineOutputError
+from mask_replay.mask import adapter
 from mask_replay.sampler.adapters.common import Completion, as_list, build_mask, get, has, row_extras
 from mask_replay.sampler.adapters.padded import mask_from_padded
 
 
+@adapter("from_sglang")
 def mask_from_sglang(outputs: Any, *, temperature: Optional[float] = None, step: Optional[int] = None,
                 vocab_size: Optional[int] = None):
     """One mask row per generated token (responses in the order given, tokens in order), or one

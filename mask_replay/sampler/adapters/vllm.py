@@ -18,9 +18,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from mask_replay.errors import EngineOutputError
+from mask_replay.mask import adapter
 from mask_replay.sampler.adapters.common import Completion, as_list, build_mask, get, has
 
 
+@adapter("from_vllm")
 def mask_from_vllm(outputs: Any, *, temperature: Optional[float] = None, step: Optional[int] = None,
               vocab_size: Optional[int] = None):
     """One mask row per generated token: requests in the order given, completions by `index`,
