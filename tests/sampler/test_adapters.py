@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -570,3 +571,48 @@ def test_score_leaves_unsampled_rows_out(tmp_path):
     assert rep["tokens"] == 14
     # same logits on both sides: replay reproduces the engine's log-probs
     assert rep["replay"]["logp_diff_mean"] == pytest.approx(0.0, abs=1e-5)
+
+
+# ---- numbers beyond float32 in engine log-probs ---------------------------------------------------
+def _token_lp(r, text):
+    c1(r)["logprobs"]["content"][0]["logprob"] = text
+
+
+def _entry_lp(r, text):  # the non-sampled entry (id 10) of request req-c's only row
+    r[2]["choices"][0]["sampling_mask_logprobs"][0][1] = text
+
+
+@pytest.mark.parametrize("edit, value, needle", [
+    (_token_lp, "-1" + "0" * 400, "request 0 (id 'req-a') choice 1 token 0: log-prob -10000000000... (401 digits)"),
+    (_token_lp, "1" + "0" * 400, "request 0 (id 'req-a') choice 1 token 0: log-prob 100000000000... (401 digits)"),
+    (_token_lp, "-1e300", "request 0 (id 'req-a') choice 1 token 0: log-prob -1e+300"),
+    (_token_lp, "-1e39", "request 0 (id 'req-a') choice 1 token 0: log-prob -1e+39"),
+    (_entry_lp, "-1" + "0" * 400, "request 2 (id 'req-c') choice 0 token 0: sampling-mask log-prob -10000000000..."),
+    (_entry_lp, "-1e300", "request 2 (id 'req-c') choice 0 token 0: sampling-mask log-prob -1e+300"),
+])
+def test_convert_logprobs_beyond_float32_are_one_line_errors(tmp_path, edit, value, needle):
+    """Regression: a JSON integer beyond a float (10**400) was an OverflowError traceback, and -1e300
+    printed numpy's overflow RuntimeWarning (then became -inf, or a row that does not normalise)."""
+    responses = fixture("vllm_generate.json")
+    edit(responses, "@VALUE@")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(responses).replace('"@VALUE@"', value))
+    out = tmp_path / "o.safetensors"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow warning would be a second line on stderr
+        assert_one_line_error(run("convert", path, "-o", out, "--from", "vllm-json"), "r.json: " + needle,
+                              "out of float32 range")
+    assert_clean(tmp_path, "o.safetensors")
+
+
+def test_convert_integer_too_long_to_read_is_one_line(tmp_path):
+    """More digits than Python's int() reads: was reported against --width (a ValueError)."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(fixture("vllm_generate.json")).replace("-0.25", "-1" + "0" * 5000))
+    assert_one_line_error(run("convert", path, "-o", tmp_path / "o.safetensors", "--from", "vllm-json"),
+                          "r.json: an integer of more than", "digits")
+    lines = tmp_path / "r.jsonl"
+    lines.write_text("\n".join(json.dumps(r) for r in fixture("vllm_generate.json")).replace("-0.25", "1" * 5000))
+    assert_one_line_error(run("convert", lines, "-o", tmp_path / "o.safetensors", "--from", "vllm-json"),
+                          "r.jsonl: line 1: an integer of more than")
+    assert_clean(tmp_path, "o.safetensors")
