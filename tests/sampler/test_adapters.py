@@ -315,6 +315,46 @@ def test_sglang_fixed_capacity_form():
         SamplingMask.from_sglang({"token_ids": fixed.token_ids, "lengths": [3, 5, 0]})
 
 
+def _fixed(**fields):
+    base = dict(token_ids=torch.tensor([[7, 2, 5, 0], [4, 0, 0, 0], [9, 9, 9, 9]], dtype=torch.int32),
+                lengths=torch.tensor([3, 1, 0], dtype=torch.int32), sampled=torch.tensor([5, 4, 3]),
+                selected_logprobs=torch.tensor([-1.0, 0.0, -2.0]))
+    return {**base, **fields}
+
+
+F = r"sglang fixed-capacity mask: row "
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(selected_logprobs=torch.tensor([-1.0, math.nan, -2.0])), F + r"1: selected_logprobs nan is not a log-prob"),
+    (dict(selected_logprobs=torch.tensor([-1.0, 0.0, math.inf])), F + r"2: selected_logprobs inf is not a log-prob"),
+    (dict(selected_logprobs=[-1.0, 0.5, -2.0]), F + r"1: selected_logprobs 0.5 is not a log-prob"),
+    (dict(selected_logprobs=torch.tensor([-1e300, 0.0, -2.0], dtype=torch.float64)),
+     F + r"0: selected_logprobs -1e\+300 is out of float32 range"),
+    (dict(selected_logprobs=["x", 0.0, -2.0]), F + r"0: selected_logprobs is 'x', not a number"),
+    (dict(selected_logprobs=np.array(["-1", "0", "-2"])), F + r"0: selected_logprobs is '-1', not a number"),
+    (dict(selected_logprobs=[-1.0, None, -2.0]), F + r"1: selected_logprobs is None, not a number"),
+    (dict(selected_logprobs=torch.tensor([True, False, True])), r"logprobs: expected numbers, got a torch.bool"),
+    (dict(selected_logprobs=torch.zeros(3, 1)), r"selected_logprobs: expected a 1-D sequence, got shape \(3, 1\)"),
+    (dict(selected_logprobs=[-1.0, 0.0]), r"logprobs must be a tensor of shape \[3\], got \(2,\)"),
+    (dict(sampled=["a", "b", "c"]), r"sglang fixed-capacity mask: sampled is not an integer array"),
+    (dict(sampled=torch.tensor([5.5, 4.0, 3.0])), r"sampled must be a 1-D integer tensor, got torch.float32"),
+])
+def test_sglang_fixed_capacity_bad_values_are_named(fields, message):
+    """Regression: NaN and +inf log-probs went through silently (the JSON form refuses them), strings
+    were a bare torch error, and a float `sampled` was truncated to an id."""
+    with pytest.raises(EngineOutputError, match=message):
+        SamplingMask.from_sglang(_fixed(**fields))
+
+
+def test_sglang_fixed_capacity_logprobs_as_lists_and_arrays():
+    """The same values as a tensor, a list, a float64 array; -inf (probability 0) and 0 are log-probs."""
+    want = [-1.0, 0.0, -math.inf]
+    for lp in (torch.tensor(want), want, np.array(want, dtype=np.float64), [-1, 0, -math.inf]):
+        mask = SamplingMask.from_sglang(_fixed(selected_logprobs=lp))
+        assert mask.logprobs.dtype == torch.float32 and mask.logprobs.tolist() == want
+
+
 # ---- padded layouts -----------------------------------------------------------------------------
 def reference_padded(rows, width):
     ids = [[-1] * width for _ in rows]

@@ -247,14 +247,14 @@ def _int_list(values: list, label: str, what: str, counts=None) -> np.ndarray:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _float_list(values: list, label: str, what: str) -> np.ndarray:
+def _float_list(values: list, label: str, what: str, unit: str = "token") -> np.ndarray:
     for i, x in enumerate(values):
         if not _is_real(x):
-            raise EngineOutputError(f"{label} token {i}: {what} is {x!r}, not a number")
-    return _as_float64(values, label, what)
+            raise EngineOutputError(f"{label} {unit} {i}: {what} is {x!r}, not a number")
+    return _as_float64(values, label, what, unit=unit)
 
 
-def _as_float64(values: list, label: str, what: str, counts=None) -> np.ndarray:
+def _as_float64(values: list, label: str, what: str, counts=None, unit: str = "token") -> np.ndarray:
     """Numbers (checked) as float64; a JSON integer beyond a float (10**400) is named by its token
     instead of numpy's bare OverflowError."""
     try:
@@ -263,7 +263,7 @@ def _as_float64(values: list, label: str, what: str, counts=None) -> np.ndarray:
         i = next(i for i, x in enumerate(values) if _is_int(x) and abs(int(x)) >= _F32_TO_INF)
         text = str(values[i])
         text = text if len(text) <= 24 else f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
-        raise EngineOutputError(f"{_token_label(label, i, counts)}: {what} {text} {_OUT_OF_RANGE}") from None
+        raise EngineOutputError(f"{_token_label(label, i, counts, unit)}: {what} {text} {_OUT_OF_RANGE}") from None
 
 
 # log-probs are stored as float32: a finite value beyond it (-1e300) would silently become -inf
@@ -271,25 +271,36 @@ def _as_float64(values: list, label: str, what: str, counts=None) -> np.ndarray:
 _OUT_OF_RANGE = "is out of float32 range (log-probs are float32; -inf is probability 0)"
 
 
-def _token_label(label: str, i: int, counts=None) -> str:
+def _token_label(label: str, i: int, counts=None, unit: str = "token") -> str:
     t = i if counts is None else int(np.searchsorted(np.cumsum(counts), i, side="right"))
-    return f"{label} token {t}"
+    return f"{label} {unit} {t}"
 
 
-def _check_logprobs(values: np.ndarray, label: str, what: str, counts=None) -> np.ndarray:
+def _check_logprobs(values: np.ndarray, label: str, what: str, counts=None, unit: str = "token") -> np.ndarray:
     """An engine's log-probs: a number <= 0 (float32 rounding aside) or -inf; NaN and +inf, or a
     positive value (a probability above 1), is a broken response, named by its token; so is a finite
     value float32 cannot hold."""
     bad = np.flatnonzero(np.isnan(values) | (values > LOGPROB_MARGIN))
     if bad.size:
         i = int(bad[0])
-        raise EngineOutputError(f"{_token_label(label, i, counts)}: {what} {float(values[i])!r} is not a "
+        raise EngineOutputError(f"{_token_label(label, i, counts, unit)}: {what} {float(values[i])!r} is not a "
                                 "log-probability (must be <= 0, not NaN)")
     bad = np.flatnonzero(np.isfinite(values) & (values <= -_F32_TO_INF))
     if bad.size:
         i = int(bad[0])
-        raise EngineOutputError(f"{_token_label(label, i, counts)}: {what} {float(values[i])!r} {_OUT_OF_RANGE}")
+        raise EngineOutputError(f"{_token_label(label, i, counts, unit)}: {what} {float(values[i])!r} {_OUT_OF_RANGE}")
     return values
+
+
+def checked_logprobs(values: Any, label: str, what: str, unit: str = "token") -> np.ndarray:
+    """A flat sequence of log-probs (list, numpy array or tensor) as float64, checked like a JSON
+    response's: a non-number, NaN, +inf, a value > 0 or beyond float32 is named by its `unit` index."""
+    if isinstance(values, torch.Tensor) and (values.dtype == torch.bool or values.is_complex()):
+        raise EngineOutputError(f"{label} {what}: expected numbers, got a {values.dtype} tensor")
+    if isinstance(values, (np.ndarray, torch.Tensor)) and values.ndim != 1:
+        raise EngineOutputError(f"{label} {what}: expected a 1-D sequence, got shape {tuple(values.shape)}")
+    vals = as_list(values, f"{label} {what}")
+    return _check_logprobs(_float_list(vals, label, what, unit), label, what, unit=unit)
 
 
 def _token_logprobs(c: Completion, n: int):
