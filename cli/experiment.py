@@ -32,7 +32,9 @@ from mask_replay.tools.experiment import RUNS, ExperimentConfig, run_experiment
               help="Held-out reward every this many steps (and after the last).")
 @click.option("--eval-prompts", type=click.IntRange(min=1, max=32), default=16, show_default=True)
 @click.option("--runs", type=click.Choice(["both", "replay", "no_replay"]), default="both", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+# numpy's SeedSequence takes no negative seed and torch.manual_seed nothing above 2**64 - 1: refused here,
+# before the model is loaded and --out is created
+@click.option("--seed", type=click.IntRange(min=0, max=2 ** 64 - 1), default=0, show_default=True)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @one_line_errors
 def experiment(out, steps, prompts_per_step, group_size, max_new_tokens, mu, lr, clip_eps, temperature, top_p, top_k,

@@ -12,6 +12,8 @@
 
 #include <string>
 
+#include "cpu/capture_cpu_isa.h"
+
 TORCH_LIBRARY(mask_replay, m) {
   // Support of the truncated sampling distribution as CSR. Parameters are per-row tensors
   // (temperature f32, top_k i64, top_p f64, min_p f64). logz is the selection's own normaliser
@@ -57,11 +59,7 @@ std::string build_info() {
 #else
   j += ", \"cuda\": false, \"cuda_arch_list\": \"\"";
 #endif
-#if defined(__AVX2__)
-  j += ", \"cpu_isa\": \"avx2\"";
-#else
-  j += ", \"cpu_isa\": \"baseline\"";
-#endif
+  j += ", " + mask_replay::cpu::capture_isa_json();
   j += ", \"threads\": " + std::to_string(at::get_num_threads()) + "}";
   return j;
 }

@@ -225,6 +225,23 @@ def assert_clean(folder, *absent):
 
 
 
+# ---- the CPU's vector extensions ---------------------------------------------------------------------
+def cpu_flags() -> set:
+    """The flags of /proc/cpuinfo (empty where it cannot be read: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# The subsets capture's AVX-512 loops need (csrc/cpu/capture_cpu_avx512.h: cpu_supports_avx512).
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= cpu_flags()
+
+
 # ---- help, version, info ------------------------------------------------------------------------
 
 

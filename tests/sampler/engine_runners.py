@@ -112,27 +112,46 @@ def sglang_sampler(observe: bool = False):
     return _sglang_fn[observe]
 
 
+def sglang_all_greedy_source_checked():
+    """The wheel's own lines for an all-greedy batch (Sampler.forward needs a server, so it is not
+    run): SamplingBatchInfo.is_all_greedy is `all(top_k <= 1)` over the batch's requests, and then
+    forward takes torch.argmax of the logits instead of the sampling function. True when the wheel
+    still says so (the runner's all-greedy branch below mirrors exactly those lines)."""
+    with zipfile.ZipFile(sglang_wheel()) as zf:
+        info = zf.read("sglang/srt/sampling/sampling_batch_info.py").decode()
+        sampler = zf.read("sglang/srt/layers/sampler.py").decode()
+    return ("is_all_greedy=all(r.sampling_params.top_k <= 1 for r in reqs)" in info
+            and "if sampling_info.is_all_greedy:" in sampler
+            and "batch_next_token_ids = torch.argmax(logits, -1)" in sampler)
+
+
 def sglang_keep(z: torch.Tensor, temperature=1.0, top_k=None, top_p=None, min_p=None,
                 capture_path: bool = True) -> torch.Tensor:
     """SamplingParams normalisation (top_k -1 -> 1 << 30; T < 1e-6 -> T = 1, top_k = 1), batch
     tensors as SamplingBatchInfo.from_schedule_batch builds them, then the Sampler's steps.
+    Parameters: one value for the batch, or temperature / top_k as a list, one per row (a mixed batch).
     capture_path: return_filtered_probs=True (SGLang's own sampling-mask capture; full sort); else
-    the plain sampling path (torch.topk over the largest k when every row has a top-k), observed."""
+    the plain sampling path (torch.topk over the largest k when every row has a top-k), observed.
+    A batch whose rows all have top_k <= 1 takes forward's argmax (sglang_all_greedy_source_checked)."""
     n, v = z.shape
     all_k = 1 << 30
-    t = 1.0 if temperature < 1e-6 else float(temperature)
-    k = 1 if temperature < 1e-6 else (all_k if top_k is None or top_k <= 0 else int(top_k))
-    temps = torch.full((n, 1), t, dtype=torch.float)
+    ts = temperature if isinstance(temperature, list) else [temperature] * n
+    ks = top_k if isinstance(top_k, list) else [top_k] * n
+    ks = [1 if t < 1e-6 else (all_k if k is None or k <= 0 else int(k)) for t, k in zip(ts, ks)]
+    temps = torch.tensor([[1.0 if t < 1e-6 else float(t)] for t in ts], dtype=torch.float)
     top_ps = torch.full((n,), 1.0 if top_p is None else float(top_p), dtype=torch.float)
-    top_ks = torch.full((n,), k, dtype=torch.int32)
+    top_ks = torch.tensor(ks, dtype=torch.int32)
     min_ps = torch.full((n,), 0.0 if min_p is None else float(min_p), dtype=torch.float)
-    need_p, need_k, need_mp = bool((top_ps != 1.0).any()), k != all_k, bool((min_ps > 0).any())
+    if all(k <= 1 for k in ks):  # is_all_greedy: argmax of the (undivided) logits
+        keep = torch.zeros(n, v, dtype=torch.bool)
+        return keep.scatter_(1, torch.argmax(z, -1, keepdim=True), True)
+    need_p, need_k, need_mp = bool((top_ps != 1.0).any()), any(k != all_k for k in ks), bool((min_ps > 0).any())
     logits = z.to(torch.float32).clone()
     logits.div_(temps)
     probs = torch.softmax(logits, dim=-1)
     if not (need_p or need_k or need_mp):
         return probs > 0
-    max_top_k = k if 1 <= k < all_k else None
+    max_top_k = max(ks) if all(1 <= k < all_k for k in ks) else None
     if capture_path or max_top_k is None or max_top_k >= v:  # the full sort either way
         fn, _ = sglang_sampler()
         _, probs_sort, probs_idx, _ = fn(probs, top_ks, top_ps, min_ps, need_mp, None, None,

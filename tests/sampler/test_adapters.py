@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -307,6 +308,46 @@ def test_sglang_fixed_capacity_form():
         SamplingMask.from_sglang({"token_ids": fixed.token_ids, "lengths": [3, 5, 0]})
 
 
+def _fixed(**fields):
+    base = dict(token_ids=torch.tensor([[7, 2, 5, 0], [4, 0, 0, 0], [9, 9, 9, 9]], dtype=torch.int32),
+                lengths=torch.tensor([3, 1, 0], dtype=torch.int32), sampled=torch.tensor([5, 4, 3]),
+                selected_logprobs=torch.tensor([-1.0, 0.0, -2.0]))
+    return {**base, **fields}
+
+
+F = r"sglang fixed-capacity mask: row "
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(selected_logprobs=torch.tensor([-1.0, math.nan, -2.0])), F + r"1: selected_logprobs nan is not a log-prob"),
+    (dict(selected_logprobs=torch.tensor([-1.0, 0.0, math.inf])), F + r"2: selected_logprobs inf is not a log-prob"),
+    (dict(selected_logprobs=[-1.0, 0.5, -2.0]), F + r"1: selected_logprobs 0.5 is not a log-prob"),
+    (dict(selected_logprobs=torch.tensor([-1e300, 0.0, -2.0], dtype=torch.float64)),
+     F + r"0: selected_logprobs -1e\+300 is out of float32 range"),
+    (dict(selected_logprobs=["x", 0.0, -2.0]), F + r"0: selected_logprobs is 'x', not a number"),
+    (dict(selected_logprobs=np.array(["-1", "0", "-2"])), F + r"0: selected_logprobs is '-1', not a number"),
+    (dict(selected_logprobs=[-1.0, None, -2.0]), F + r"1: selected_logprobs is None, not a number"),
+    (dict(selected_logprobs=torch.tensor([True, False, True])), r"logprobs: expected numbers, got a torch.bool"),
+    (dict(selected_logprobs=torch.zeros(3, 1)), r"selected_logprobs: expected a 1-D sequence, got shape \(3, 1\)"),
+    (dict(selected_logprobs=[-1.0, 0.0]), r"logprobs must be a tensor of shape \[3\], got \(2,\)"),
+    (dict(sampled=["a", "b", "c"]), r"sglang fixed-capacity mask: sampled is not an integer array"),
+    (dict(sampled=torch.tensor([5.5, 4.0, 3.0])), r"sampled must be a 1-D integer tensor, got torch.float32"),
+])
+def test_sglang_fixed_capacity_bad_values_are_named(fields, message):
+    """Regression: NaN and +inf log-probs went through silently (the JSON form refuses them), strings
+    were a bare torch error, and a float `sampled` was truncated to an id."""
+    with pytest.raises(EngineOutputError, match=message):
+        SamplingMask.from_sglang(_fixed(**fields))
+
+
+def test_sglang_fixed_capacity_logprobs_as_lists_and_arrays():
+    """The same values as a tensor, a list, a float64 array; -inf (probability 0) and 0 are log-probs."""
+    want = [-1.0, 0.0, -math.inf]
+    for lp in (torch.tensor(want), want, np.array(want, dtype=np.float64), [-1, 0, -math.inf]):
+        mask = SamplingMask.from_sglang(_fixed(selected_logprobs=lp))
+        assert mask.logprobs.dtype == torch.float32 and mask.logprobs.tolist() == want
+
+
 # ---- padded layouts -----------------------------------------------------------------------------
 def reference_padded(rows, width):
     ids = [[-1] * width for _ in rows]
@@ -563,3 +604,48 @@ def test_score_leaves_unsampled_rows_out(tmp_path):
     assert rep["tokens"] == 14
     # same logits on both sides: replay reproduces the engine's log-probs
     assert rep["replay"]["logp_diff_mean"] == pytest.approx(0.0, abs=1e-5)
+
+
+# ---- numbers beyond float32 in engine log-probs ---------------------------------------------------
+def _token_lp(r, text):
+    c1(r)["logprobs"]["content"][0]["logprob"] = text
+
+
+def _entry_lp(r, text):  # the non-sampled entry (id 10) of request req-c's only row
+    r[2]["choices"][0]["sampling_mask_logprobs"][0][1] = text
+
+
+@pytest.mark.parametrize("edit, value, needle", [
+    (_token_lp, "-1" + "0" * 400, "request 0 (id 'req-a') choice 1 token 0: log-prob -10000000000... (401 digits)"),
+    (_token_lp, "1" + "0" * 400, "request 0 (id 'req-a') choice 1 token 0: log-prob 100000000000... (401 digits)"),
+    (_token_lp, "-1e300", "request 0 (id 'req-a') choice 1 token 0: log-prob -1e+300"),
+    (_token_lp, "-1e39", "request 0 (id 'req-a') choice 1 token 0: log-prob -1e+39"),
+    (_entry_lp, "-1" + "0" * 400, "request 2 (id 'req-c') choice 0 token 0: sampling-mask log-prob -10000000000..."),
+    (_entry_lp, "-1e300", "request 2 (id 'req-c') choice 0 token 0: sampling-mask log-prob -1e+300"),
+])
+def test_convert_logprobs_beyond_float32_are_one_line_errors(tmp_path, edit, value, needle):
+    """Regression: a JSON integer beyond a float (10**400) was an OverflowError traceback, and -1e300
+    printed numpy's overflow RuntimeWarning (then became -inf, or a row that does not normalise)."""
+    responses = fixture("vllm_generate.json")
+    edit(responses, "@VALUE@")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(responses).replace('"@VALUE@"', value))
+    out = tmp_path / "o.safetensors"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow warning would be a second line on stderr
+        assert_one_line_error(run("convert", path, "-o", out, "--from", "vllm-json"), "r.json: " + needle,
+                              "out of float32 range")
+    assert_clean(tmp_path, "o.safetensors")
+
+
+def test_convert_integer_too_long_to_read_is_one_line(tmp_path):
+    """More digits than Python's int() reads: was reported against --width (a ValueError)."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(fixture("vllm_generate.json")).replace("-0.25", "-1" + "0" * 5000))
+    assert_one_line_error(run("convert", path, "-o", tmp_path / "o.safetensors", "--from", "vllm-json"),
+                          "r.json: an integer of more than", "digits")
+    lines = tmp_path / "r.jsonl"
+    lines.write_text("\n".join(json.dumps(r) for r in fixture("vllm_generate.json")).replace("-0.25", "1" * 5000))
+    assert_one_line_error(run("convert", lines, "-o", tmp_path / "o.safetensors", "--from", "vllm-json"),
+                          "r.jsonl: line 1: an integer of more than")
+    assert_clean(tmp_path, "o.safetensors")

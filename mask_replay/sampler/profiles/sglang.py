@@ -12,8 +12,12 @@
 - min-p: drop p_i < p_max * float32(min_p) (the untruncated probabilities again), applied last;
 - the support is the positive filtered probabilities (tokens whose float32 probability underflows
   to 0 cannot be drawn); when no row of the batch uses a filter, SGLang samples from the plain
-  softmax, whose support is again the positive probabilities.
-Both batch-wide choices (the plain-softmax branch; topk over the batch's largest k instead of a full
+  softmax, whose support is again the positive probabilities;
+- greedy rows (T < 1e-6, and rows with top_k = 1): when EVERY row of the batch has top_k <= 1
+  (SamplingBatchInfo.is_all_greedy), Sampler.forward skips the sampler and takes torch.argmax of the
+  logits, the first index of the maximum; in a mixed batch they go through the sort (or topk) above
+  with k = 1, which keeps whichever tied id comes first in the sort's order.
+The batch-wide choices (the plain-softmax branch; topk over the batch's largest k instead of a full
 sort, which decides which member of a tie at the cut or at the top survives) are decided per engine
 batch (`batch_switches`), never per chunk or rank of a capture.
 """
@@ -54,15 +58,17 @@ def _row_filters(prm: RowParams, n: int, v: int, device):
 
 
 def batch_switches(prm: RowParams, batch: torch.Tensor, vocab: int) -> dict:
-    """Per row, from its engine batch: `mode` -1 the plain-softmax branch (no row filters), 0 the
-    full sort, m > 0 torch.topk over the batch's largest k = m (every row has 1 <= k < 2^30, m < V)."""
+    """Per row, from its engine batch: `mode` -2 the all-greedy branch (every row has k <= 1: argmax),
+    -1 the plain-softmax branch (no row filters), 0 the full sort, m > 0 torch.topk over the batch's
+    largest k = m (every row has 1 <= k < 2^30, m < V)."""
     n = batch.numel()
     k, p32, mp32 = _row_filters(prm, n, vocab, batch.device)
     filtered = per_batch_any((k != TOP_K_ALL) | (p32 != 1) | (mp32 > 0), batch)
     all_k = per_batch_all((k >= 1) & (k < TOP_K_ALL), batch)
     k_max = per_batch_max(k, batch)
     mode = torch.where(all_k & (k_max < vocab), k_max, torch.zeros_like(k_max))
-    return {"mode": torch.where(filtered, mode, torch.full_like(mode, -1))}
+    mode = torch.where(filtered, mode, torch.full_like(mode, -1))
+    return {"mode": torch.where(per_batch_all(k <= 1, batch), torch.full_like(mode, -2), mode)}
 
 
 def keep(x: torch.Tensor, prm: RowParams, switches: dict) -> torch.Tensor:
@@ -72,6 +78,10 @@ def keep(x: torch.Tensor, prm: RowParams, switches: dict) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)
 
     def run(pg, rows, mode):
+        if mode == -2:  # torch.argmax of the logits: the first index of the maximum (x only rescales them)
+            top = x[rows].argmax(dim=-1, keepdim=True)
+            out = torch.zeros(pg.shape, dtype=torch.bool, device=pg.device)
+            return out.scatter_(1, top, x[rows].gather(1, top) > float("-inf"))
         if mode < 0:
             return pg > 0  # the "simple sampling" branch: multinomial over the plain softmax
         if mode > 0:
