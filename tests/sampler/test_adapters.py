@@ -208,7 +208,7 @@ C = r"request 2 \(id 'req-c'\) choice 0"
     (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"].append([0.0]),
      C + r": 2 rows of sampling-mask log-probs for 1"),
     (lambda r: r[2]["choices"][0]["sampling_mask_logprobs"][0].__setitem__(1, None),
-     C + r" token 0: sampling-mask log-prob is None, not a number"),
+     C + r" token 0: sampling-mask log-prob None is not a number"),
     (lambda r: r.append({"id": "not a response"}), r"request 3: neither a vLLM RequestOutput"),
     (lambda r: r[1].update(choices="abc"), r"request 1 \(id 'req-b'\): choices: expected a list, got str"),
 ])

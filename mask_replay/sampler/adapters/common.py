@@ -247,41 +247,11 @@ def _int_list(values: list, label: str, what: str, counts=None) -> np.ndarray:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _float_list(values: list, label: str, what: str, counts=None) -> np.ndarray:
-    """Strict float conversion of an engine's log-probs (masks store float32): a string or null, an
-    integer too big for a float (JSON has no limit: 10**400), or a finite value below float32's range
-    (-1e300, which float32 would silently make -inf) is an error naming its token."""
+def _float_list(values: list, label: str, what: str) -> np.ndarray:
     for i, x in enumerate(values):
         if not _is_real(x):
-            raise EngineOutputError(f"{_where(label, i, counts)}: {what} is {x!r}, not a number")
-    try:
-        arr = np.array(values, dtype=np.float64) if values else np.zeros(0, dtype=np.float64)
-    except OverflowError:
-        for i, x in enumerate(values):
-            if _is_int(x) and abs(int(x)) > FLOAT64_MAX:
-                digits = f"an integer of {len(str(abs(int(x))))} digits"
-                if x > 0:
-                    raise EngineOutputError(f"{_where(label, i, counts)}: {what} ({digits}) is not a "
-                                            "log-probability (must be <= 0, not NaN)") from None
-                raise EngineOutputError(f"{_where(label, i, counts)}: {what} (-{digits}) does not fit a "
-                                        "float32 (write -inf for probability 0)") from None
-        raise
-    below = np.flatnonzero(np.isfinite(arr) & (arr < FLOAT32_LOWEST))
-    if below.size:
-        i = int(below[0])
-        raise EngineOutputError(f"{_where(label, i, counts)}: {what} {float(arr[i])!r} does not fit a float32 "
-                                "(write -inf for probability 0)")
-    return arr
-
-
-FLOAT64_MAX = float(np.finfo(np.float64).max)
-FLOAT32_LOWEST = float(np.finfo(np.float32).min)
-
-
-def _where(label: str, i: int, counts=None) -> str:
-    """Value i of a completion's flat list, named by its token (counts: values per token, if not one)."""
-    t = i if counts is None else int(np.searchsorted(np.cumsum(counts), i, side="right"))
-    return f"{label} token {t}"
+            raise EngineOutputError(f"{label} token {i}: {what} is {x!r}, not a number")
+    return np.array(values, dtype=np.float64) if values else np.zeros(0, dtype=np.float64)
 
 
 def _check_logprobs(values: np.ndarray, label: str, what: str, counts=None) -> np.ndarray:
@@ -319,8 +289,11 @@ def _entry_logprobs(c: Completion, rows: list, counts: np.ndarray):
             raise EngineOutputError(f"{c.label} token {t}: {len(lr)} sampling-mask log-probs for {k} mask ids")
         out.append(lr)
     flat = list(chain.from_iterable(out))
-    values = _float_list(flat, c.label, "sampling-mask log-prob", counts)
-    return _check_logprobs(values, c.label, "sampling-mask log-prob", counts)
+    for i, x in enumerate(flat):
+        if not _is_real(x):
+            t = int(np.searchsorted(np.cumsum(counts), i, side="right"))
+            raise EngineOutputError(f"{c.label} token {t}: sampling-mask log-prob {x!r} is not a number")
+    return _check_logprobs(np.array(flat, dtype=np.float64), c.label, "sampling-mask log-prob", counts)
 
 
 def _check_ids(ids, row_of, sampled, vocab_size, where):
