@@ -41,7 +41,7 @@ def score(masks, training, json_out, plot, title, chunk_rows, device, resume):
     if plot == "-":
         raise CliError("--plot -: standard output is for --json only; name a PNG file")
     check_distinct([("--masks", masks), ("--training", training)], [("--json", json_out), ("--plot", plot)])
-    if resume and resumed.score_complete(json_out, plot):
+    if resume and resumed.score_complete(json_out, plot, masks, training):
         return
     for out in (json_out, plot):
         if out:

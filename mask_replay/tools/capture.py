@@ -23,6 +23,7 @@ from mask_replay.files.dumps import PARAM_KEYS, Dump, check_finite, check_sample
 from mask_replay.files.identity import file_identity, source_names
 from mask_replay.files.mask_file import MaskSink, MemorySink
 from mask_replay.files.safe_output import atomic_file, check_distinct, check_writable
+from mask_replay.params import expand_params
 from mask_replay.sampler import profiles
 from mask_replay.sampler.capture import capture
 from mask_replay.sampler.profiles.mismatch import DEFAULT_TOLERANCE, check_rows
@@ -198,15 +199,16 @@ def _capture_rows(dumps, shapes, vocab, job: _Job, metadata, out, lo_row, hi_row
         # closed (and cleared) on errors too, so an error line never lands after a half-drawn bar
         with tqdm(total=count, unit="rows", desc="capture", disable=not progress or None, leave=False) as bar:
             row, first = 0, 0  # row: written so far; first: global row of the file's row 0
+            switches = _engine_batch_switches(dumps, shapes, vocab, job) if hi_row > lo_row else {}
             for d, (n, _) in zip(dumps, shapes):
                 lo, hi = max(0, lo_row - first), min(n, hi_row - first)
                 first += n
                 step = chunk_rows or max(1, default_chunk_rows(vocab, d.dtype("logits").itemsize + MASK_ENTRY_BYTES)
                                          // profiles.CHUNK_DIVISOR[job.profile])
-                switches = _engine_batch_switches(d, n, vocab, job) if hi > lo else {}
+                at = first - n  # this file's row 0 in the switches of all inputs
                 for a in range(lo, hi, step):
                     b = min(hi, a + step)
-                    m, extras = _capture_chunk(d, a, b, job, {k: v[a:b] for k, v in switches.items()})
+                    m, extras = _capture_chunk(d, a, b, job, {k: v[at + a:at + b] for k, v in switches.items()})
                     sink.write(row, m, extras)
                     span = slice(row, row + b - a)
                     lengths[span], flagged[span] = m.lengths(), extras["outside_support"]
@@ -227,18 +229,38 @@ def _capture_rows(dumps, shapes, vocab, job: _Job, metadata, out, lo_row, hi_row
                           int(flagged.sum()), notes, mask, mismatch)
 
 
-def _engine_batch_switches(d: Dump, n: int, vocab: int, job: _Job) -> dict:
-    """The engine profile's batch-wide choices for every row of the dump, decided over its engine
-    batch (the dump's `batch` key, else the whole dump), never over a chunk or a rank's share: the
-    per-row parameters are read whole (a few bytes per row) once per dump."""
+def _engine_batch_switches(dumps: list, shapes: list, vocab: int, job: _Job) -> dict:
+    """The engine profile's batch-wide choices for every row of all inputs, decided over whole engine
+    batches, never over a chunk, a rank's share or an input file: `batch` ids are global across the
+    inputs (a capture of several files gives the masks of a capture of their concatenation), and
+    without any `batch` key each file is one batch. The per-row parameters are read whole (a few
+    bytes per row) once."""
     if job.profile == "exact":
         return {}
-    params = {k: _param_value(d, k, job.flags, job.explicit, 0, n) for k in PARAM_KEYS}
-    batch = d.get("batch").to(torch.int64) if "batch" in d else None
-    try:
-        return profiles.batch_switches(job.profile, n, vocab, **params, batch=batch)
-    except ValueError as exc:
-        raise errors.from_op_error(exc, keys=PARAM_KEYS, default_key="batch").at(file=d.path, cls=DumpError) from exc
+    with_key = [d for d in dumps if "batch" in d]
+    if with_key and len(with_key) != len(dumps):
+        lacking = next(d for d in dumps if "batch" not in d)
+        raise DumpError(f"no 'batch' key while {with_key[0].path} has one: engine batch ids are global across "
+                        "the inputs, so every input needs them", file=lacking.path, key="batch")
+    params, batches = [], []
+    for i, (d, (n, _)) in enumerate(zip(dumps, shapes)):
+        prm = {k: _param_value(d, k, job.flags, job.explicit, 0, n) for k in PARAM_KEYS}
+        batch = d.get("batch").to(torch.int64) if with_key else torch.full((n,), i, dtype=torch.int64)
+        try:  # each file's own checks first, so that an error names its file and row
+            profiles.batch_switches(job.profile, n, vocab, **prm, batch=batch)
+        except ValueError as exc:
+            raise errors.from_op_error(exc, keys=PARAM_KEYS, default_key="batch").at(file=d.path, cls=DumpError) \
+                from exc
+        params.append((n, prm))
+        batches.append(batch)
+    if len(dumps) == 1:
+        return profiles.batch_switches(job.profile, shapes[0][0], vocab, **params[0][1], batch=batches[0])
+    # one parameter tensor over all rows, each file's rows expanded (a scalar or an absent filter
+    # becomes its per-row value); a filter no input sets stays off (None) for all
+    rows = [expand_params(n, "cpu", *(prm[k] for k in PARAM_KEYS)) for n, prm in params]
+    merged = {k: None if all(prm[k] is None for _, prm in params) else torch.cat([r[i] for r in rows])
+              for i, k in enumerate(PARAM_KEYS)}
+    return profiles.batch_switches(job.profile, sum(n for n, _ in params), vocab, **merged, batch=torch.cat(batches))
 
 
 def _capture_chunk(d: Dump, a: int, b: int, job: _Job, switches: Optional[dict] = None):

@@ -7,7 +7,9 @@ was written whole; what remains to check is that it answers *this* command:
            sources and values, the same `--outside` and profile (semantics), the same
            `--logprob-tol` when it holds a log-prob mismatch report, and it has as many rows as
            the inputs;
-  score:   the JSON parses as a score report, and the plot exists when one is asked for.
+  score:   the JSON parses as a score report whose `inputs` are the identities of this command's
+           --masks and --training files (a report of another dump, or of one rewritten since, is
+           not kept), and the plot exists when one is asked for.
 Anything else (missing, unreadable, made for other inputs) is recomputed and replaced.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mask_replay.files.dumps import PARAM_KEYS, Dump
 from mask_replay.files.identity import file_identity, source_names
 from mask_replay.sampler.profiles import semantics
 from mask_replay.tools.capture import _param_source
+from mask_replay.tools.score import score_inputs
 
 
 def _note(message: str) -> None:
@@ -66,16 +69,22 @@ def _report_tolerance(text: str):
     return report.get("tolerance") if isinstance(report, dict) else None
 
 
-def score_complete(json_out, plot) -> bool:
-    """True (and a note) when the JSON report (and the plot, if asked for) are there and whole."""
+def score_complete(json_out, plot, masks, training) -> bool:
+    """True (and a note) when the JSON report (and the plot, if asked for) are there, whole, and made
+    from these --masks and --training files."""
     if not json_out or not os.path.isfile(json_out) or (plot and not os.path.isfile(plot)):
         return False
     try:
         with open(json_out) as f:
             report = json.load(f)
         whole = isinstance(report, dict) and {"tokens", "replay", "no_replay", "per_step"} <= report.keys()
+        current = score_inputs(masks, training)
     except (OSError, ValueError):
         return False
-    if whole:
-        _note(f"{json_out} is complete: skipped (--resume)")
-    return whole
+    if not whole:
+        return False
+    if report.get("inputs") != current:
+        _note(f"{json_out} was not made from these --masks and --training files: recomputed (--resume)")
+        return False
+    _note(f"{json_out} is complete: skipped (--resume)")
+    return True

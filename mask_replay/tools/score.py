@@ -15,6 +15,7 @@ from tqdm import tqdm
 from mask_replay import errors
 from mask_replay.errors import DumpError
 from mask_replay.files.dumps import Dump, check_finite, default_chunk_rows
+from mask_replay.files.identity import file_identity
 from mask_replay.files.mask_file import MaskFile
 from mask_replay.trainer.metrics import build_report, support_kl_per_row
 from mask_replay.trainer.replay import full_logprobs, kept_mass, replay_logprobs
@@ -68,6 +69,7 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
     log-probs of rows [a, b); combine(replay[a:b], no_replay[a:b], kept[a:b]) then returns the arrays
     of all rows, or None to stop here (ranks other than 0 under torchrun, see tools/torchrun.py)."""
     masks_path, training_path = os.fspath(masks_path), os.fspath(training_path)
+    inputs = score_inputs(masks_path, training_path)  # before reading: what this report is made from
     notes = []
     with MaskFile(masks_path) as mask, Dump(training_path) as tr:
         info = _row_info(mask, tr, masks_path, notes)
@@ -81,7 +83,15 @@ def score_files(masks_path, training_path, *, chunk_rows: Optional[int] = None, 
             return None
         rep, full, kept, *rest = combined
         kl = rest[0] if rest else None
-    return _result(mask, info, rep, full, kept, notes, kl)
+    result = _result(mask, info, rep, full, kept, notes, kl)
+    result.report["inputs"] = inputs
+    return result
+
+
+def score_inputs(masks_path, training_path) -> dict:
+    """The report's `inputs`: the content identity of the two files it was made from (files/identity.py),
+    which `score --resume` compares before it keeps a report."""
+    return {"masks": file_identity(masks_path), "training": file_identity(training_path)}
 
 
 def _row_info(mask: MaskFile, tr: Dump, masks_path: str, notes: list) -> _Rows:

@@ -169,7 +169,7 @@ def test_score_json_table_and_plot(tmp_path, rollout):
     assert result.exit_code == 0, result.output
     assert "no replay" in result.output and "importance ratio mean" in result.output
     report = json.loads(js.read_text())
-    assert list(report) == ["tokens", "kept_mass_mean", "replay", "no_replay", "per_step"]
+    assert list(report) == ["tokens", "kept_mass_mean", "replay", "no_replay", "per_step", "inputs"]
     assert report["tokens"] == N
     mask = SamplingMask.load(masks)
     # identical logits: replay reproduces the rollout log-prob; no replay is off by the kept mass

@@ -130,7 +130,9 @@ def test_score_report_does_not_depend_on_chunks(tmp_path):
         result = run("score", "--masks", masks, "--training", tmp_path / "t.safetensors", "--json", js,
                      "--chunk-rows", chunk)
         assert result.exit_code == 0, result.output
-        reports.append(json.loads(js.read_text()))
+        report = json.loads(js.read_text())
+        assert report.pop("inputs")["masks"]["path"].endswith(f"m{chunk}.safetensors")  # each its own file
+        reports.append(report)
     assert reports[0] == reports[1] == reports[2]
 
 
@@ -146,3 +148,63 @@ def test_torchrun_ranks_write_the_single_process_mask(tmp_path, profile):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert mr.SamplingMask.load(str(out)) == mr.SamplingMask.load(str(tmp_path / "one.safetensors"))
     assert os.path.exists(tmp_path / "one.safetensors")
+
+
+def _split_and_whole(tmp_path, tensors, cut):
+    save_file(tensors, str(tmp_path / "whole.safetensors"))
+    for name, rows in (("a", slice(0, cut)), ("b", slice(cut, None))):
+        save_file({k: v[rows].contiguous() if v.dim() else v for k, v in tensors.items()},
+                  str(tmp_path / f"{name}.safetensors"))
+    return [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")], str(tmp_path / "whole.safetensors")
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_batch_ids_are_global_across_input_files(tmp_path, profile):
+    """Regression: the batch-wide switches were decided per input file, so the same rows and batch
+    ids split over two dumps gave other masks than one dump (silently). Batch 0 has rows in both
+    files; only its row in the second file has top_p < 1."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(6, 128, generator=g)
+    z[:, 64:] = -200.0
+    tensors = {"logits": z, "sampled": z.argmax(1), "top_p": torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 1.0]),
+               "batch": torch.tensor([0, 0, 1, 0, 1, 2])}
+    parts, whole = _split_and_whole(tmp_path, tensors, 3)
+    one = _capture(whole, profile)
+    two = capture_dumps(parts, None, profile=profile, progress=False, outside="flag").mask
+    assert two == one
+    for chunk in (1, 4):  # and ranks whose shares cross the file boundary
+        assert capture_dumps(parts, None, profile=profile, progress=False, outside="flag", chunk_rows=chunk).mask == one
+    assert merge_masks([capture_dumps(parts, None, profile=profile, progress=False, outside="flag",
+                                      rows=share(6, 4, r)).mask for r in range(4)], "flag") == one
+    if profile == "vllm":  # rows 0-1 (file a) share batch 0 with row 3 (file b): the top-p pass drops their tail
+        assert one.lengths().tolist()[:2] == [64, 64]
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(2, 9), data=st.data())
+def test_several_files_capture_as_their_concatenation(tmp_path_factory, seed, n, data):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, 32, generator=g) * 3
+    z[:, 16:] -= 150.0
+    tensors = {"logits": z, "sampled": z.argmax(1),
+               "top_p": torch.tensor(data.draw(st.lists(st.sampled_from([1.0, 0.8, 0.95]), min_size=n, max_size=n))),
+               "top_k": torch.tensor(data.draw(st.lists(st.sampled_from([0, 3, 40]), min_size=n, max_size=n))),
+               "batch": torch.tensor(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)))}
+    parts, whole = _split_and_whole(tmp_path_factory.mktemp("split"), tensors, data.draw(st.integers(1, n - 1)))
+    for profile in ("vllm", "sglang"):
+        assert capture_dumps(parts, None, profile=profile, progress=False, outside="flag").mask == \
+            _capture(whole, profile)
+
+
+def test_batch_key_in_some_input_files_only_is_refused(tmp_path):
+    tensors = {"logits": torch.randn(4, 16), "sampled": torch.zeros(4, dtype=torch.int64),
+               "batch": torch.tensor([0, 0, 1, 1])}
+    parts, _ = _split_and_whole(tmp_path, tensors, 2)
+    t = load_file(parts[1])
+    t.pop("batch")
+    save_file(t, parts[1])
+    out = tmp_path / "m.safetensors"
+    result = run("capture", *parts, "-o", out, "--profile", "vllm")
+    assert result.exit_code != 0 and result.output.count("\n") == 1, result.output
+    assert "b.safetensors" in result.output and "'batch'" in result.output and "global" in result.output
+    assert not out.exists()

@@ -58,3 +58,35 @@ def test_inputs_sharing_a_base_name_keep_their_own_params(tmp_path):
     params = json.loads(meta["params"])
     assert params[names[0]]["top_p"] == "dump" and params[names[1]]["top_p"] != "dump"
     assert "skipped" in _capture(one, two, "-o", out).stderr
+
+
+def _score(masks, training, js):
+    result = run("score", "--masks", masks, "--training", training, "--json", js, "--resume")
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_score_resume_does_not_keep_a_report_of_another_training_dump(tmp_path):
+    """Regression: score --resume parsed the JSON only, so a report made from another training dump
+    (same rows, other logits) was kept as this command's output."""
+    roll = write(tmp_path / "r.safetensors", rollout_tensors(seed=1))
+    masks = tmp_path / "m.safetensors"
+    _capture(roll, "-o", masks)
+    one = write(tmp_path / "t1.safetensors", {"logits": rollout_tensors(seed=1)["logits"]})
+    two = write(tmp_path / "t2.safetensors", {"logits": rollout_tensors(seed=5)["logits"]})
+    js = tmp_path / "s.json"
+    _score(masks, one, js)
+    first = json.loads(js.read_text())
+    assert first["inputs"]["training"]["path"] == os.path.realpath(one)
+    result = _score(masks, two, js)
+    assert "skipped" not in result.stderr and "not made from these" in result.stderr
+    second = json.loads(js.read_text())
+    assert second["replay"] != first["replay"]
+    assert second["inputs"]["training"]["path"] == os.path.realpath(two)
+    assert "skipped" in _score(masks, two, js).stderr  # the same inputs again: kept
+    write(two, {"logits": rollout_tensors(seed=6)["logits"]})  # rewritten in place
+    assert "skipped" not in _score(masks, two, js).stderr
+    report = json.loads(js.read_text())
+    report.pop("inputs")  # a report without identities (an older version's) is not kept either
+    js.write_text(json.dumps(report))
+    assert "skipped" not in _score(masks, two, js).stderr

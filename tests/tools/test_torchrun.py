@@ -86,7 +86,11 @@ def test_capture_and_score_do_not_depend_on_ranks(data, nproc):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((data / f"score{nproc}.json").read_text())
     assert report.pop("run") == {"world_size": nproc, "rows_per_rank": shares}
-    assert report == json.loads((data / "score1.json").read_text())  # every float, exactly
+    one = json.loads((data / "score1.json").read_text())
+    # the same metrics, every float exactly; `inputs` names each run's own mask file
+    assert report.pop("inputs")["masks"]["path"].endswith(f"masks{nproc}.safetensors")
+    assert one.pop("inputs")["masks"]["path"].endswith("masks1.safetensors")
+    assert report == one
     assert report["per_step"] and "sequences" in report["replay"]
 
 
