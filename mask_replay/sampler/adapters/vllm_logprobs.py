@@ -253,9 +253,6 @@ def _completion(label: str, key: list, tokens: list, positions: list, need: _Nee
                                         "not in the support it was sampled from")
             ids = [int(k) for k, v in vals.items() if v > -math.inf]
             lps = [vals[k] for k in ids]
-            if vals[tok] == -math.inf:
-                raise EngineOutputError(f"{where}: sampled token {tok} is not in its support (processed log-prob "
-                                        "-inf or null)")
             _check_complete(where, len(ids), len(vals), lps, need)
         rows.append(ids)
         entries.append(lps)
