@@ -160,7 +160,8 @@ def _set_top(t, key, value):
     (lambda lp, s: lp["top_logprobs"].pop(), "3 tokens, 2 top_logprobs"),
     (lambda lp, s: lp.pop("tokens"), "no 'tokens'"),
     (lambda lp, s: lp["top_logprobs"].__setitem__(1, [1, 2]), "token 1: top_logprobs is"),
-    (lambda lp, s: lp["top_logprobs"][0].__setitem__(f"token_id:{s[0]}", None), "token 0: the generated token .* has log-prob -inf"),
+    (lambda lp, s: lp["top_logprobs"][0].__setitem__(f"token_id:{s[0]}", None),
+     "token 0: the generated token .* has log-prob -inf"),
 ])
 def test_malformed_outputs_are_named(edit, message):
     with pytest.raises(EngineOutputError, match=message):
