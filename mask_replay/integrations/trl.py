@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 
@@ -38,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError("mask_replay.integrations.trl needs trl 1.16: pip install 'mask-replay[trl]'") from exc
 
 from mask_replay.errors import InputError
+from mask_replay.integrations import _trl_vllm
 from mask_replay.integrations.transformers import WARPERS_OFF, MaskRecorder, hf_warpers
 from mask_replay.mask import SamplingMask
 from mask_replay.trainer.replay import replay_logprobs_from_hidden
@@ -115,21 +117,16 @@ def _recording_generate(model, chain: list, recorder: MaskRecorder, eos, capture
 class ReplayGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose log-probs are renormalised over the support each token was sampled from."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, replay_top_k_cap: Optional[int] = None, **kwargs):
         cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if cfg is not None and getattr(cfg, "use_vllm", False):
-            _refuse("use_vllm=True", "the support must come from vLLM (its sampling masks or processed "
-                    "log-probs); that path is not built yet, and recomputing it here would not be replay")
         if cfg is not None and getattr(cfg, "use_transformers_continuous_batching", False):
             _refuse("use_transformers_continuous_batching=True", "generate_batch takes no logits processor")
         super().__init__(*args, **kwargs)
-        if self.use_vllm:  # a config built without `args=` (TRL's default) cannot ask for vLLM, but be sure
-            _refuse("use_vllm=True", "the vLLM path is not built yet")
         if self.tools or self.rollout_func is not None or self.environment_factories is not None:
             _refuse("tools, environments or rollout_func", "their completions hold tokens nobody sampled")
         self._replay_scale = _logit_scale(self.accelerator.unwrap_model(self.model).config)
-        config = self.generation_config
-        for key, off in _UNRECORDED.items():
+        config = getattr(self, "generation_config", None)  # transformers generation only (vLLM: none)
+        for key, off in (_UNRECORDED.items() if config is not None else ()):
             value = getattr(config, key, off)
             if value is not None and value != off:
                 raise InputError(f"generation option {key}={value!r}: its support cannot be "
@@ -138,13 +135,33 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self._replay_owned = {"train": [], "eval": []}  # ids of each mode's latest generation
         self._replay_next = 0
         self._replay_active = None  # replay_index [B] of the batch being scored
+        self.replay_vllm_settings = None
+        if self.use_vllm:  # the engine is asked for the log-probs that show the support (_trl_vllm.py)
+            self.replay_vllm_settings = _trl_vllm.configure_engine(
+                self.vllm_generation, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                min_p=self.min_p, vocab_size=self._replay_vocab_size(), top_k_cap=replay_top_k_cap)
 
     # -- generation ---------------------------------------------------------------------------------
     def _sampling(self):
         c = self.generation_config
         return (c.temperature if c.temperature is not None else 1.0, c.top_k or None, c.top_p, c.min_p)
 
+    def _replay_vocab_size(self) -> int:
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return int(model.get_output_embeddings().weight.shape[0])
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.use_vllm:
+            with _trl_vllm.recording(self.vllm_generation, temperature=self.temperature,
+                                     vocab_size=self._replay_vocab_size()) as recorded:
+                completion_ids, logprobs = super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            mask = recorded()
+            if mask is None:
+                raise RuntimeError("ReplayGRPOTrainer: TRL generated without its vLLM engine; nothing was recorded")
+            self._keep(_per_sequence(mask, [len(c) for c in completion_ids]))
+            return completion_ids, logprobs
         recorder, captured = MaskRecorder(), {}
         temperature, top_k, top_p, min_p = self._sampling()
         recorder.temperature = float(temperature)
@@ -176,13 +193,28 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self._replay_masks.update(zip(ids, masks))
         self._replay_owned[mode] = ids
         self._replay_active = torch.tensor(ids, dtype=torch.int64, device=self.accelerator.device)
-        kept = torch.cat([m.kept_mass.double() for m in masks]) if masks else torch.zeros(0, dtype=torch.float64)
+        # vLLM reports no kept mass: it is measured from the policy's logits at its first scoring (_replay)
+        self._replay_kept_pending = any(m.kept_mass is None for m in masks)
+        kept = (torch.cat([m.kept_mass.double() for m in masks]) if masks and not self._replay_kept_pending
+                else torch.zeros(0, dtype=torch.float64))
         size = torch.cat([m.lengths().double() for m in masks]) if masks else torch.zeros(0, dtype=torch.float64)
-        totals = torch.stack([kept.sum(), size.sum(), torch.tensor(float(kept.numel()), dtype=torch.float64)])
+        totals = torch.stack([kept.sum(), size.sum(), torch.tensor(float(size.numel()), dtype=torch.float64)])
         totals = self.accelerator.gather(totals.to(self.accelerator.device)).reshape(-1, 3).sum(0)
         n = max(totals[2].item(), 1.0)
-        self._metrics[mode]["replay/kept_mass/mean"].append(totals[0].item() / n)
+        if not self._replay_kept_pending:
+            self._metrics[mode]["replay/kept_mass/mean"].append(totals[0].item() / n)
         self._metrics[mode]["replay/support_size/mean"].append(totals[1].item() / n)
+
+    def _log_kept_from_logps(self, model, trl_logps, replayed, window) -> None:
+        """kept mass = exp(log pi_V - log pi_K) per token, from the policy's first scoring of the batch."""
+        if not getattr(self, "_replay_kept_pending", False) or model not in (self.model, self.model_wrapped):
+            return
+        self._replay_kept_pending = False
+        kept = torch.exp(trl_logps.detach() - replayed.detach()).double()[window]
+        totals = torch.stack([kept.sum(), torch.tensor(float(kept.numel()), dtype=torch.float64, device=kept.device)])
+        totals = self.accelerator.gather(totals.to(self.accelerator.device)).reshape(-1, 2).sum(0)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["replay/kept_mass/mean"].append(totals[0].item() / max(totals[1].item(), 1.0))
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -214,6 +246,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         finally:
             hook.remove()
         replayed = self._replay(head_model, torch.cat(hidden), input_ids, attention_mask, logits_to_keep, logps)
+        self._log_kept_from_logps(model, logps, replayed, attention_mask[:, -logits_to_keep:].bool())
         return replayed, entropies, aux
 
     def _replay(self, head_model, hidden, input_ids, attention_mask, k, trl_logps):

@@ -143,8 +143,6 @@ def test_row_count_mismatch_names_sample_and_position(tmp_path):
 
 
 def test_unbuilt_paths_and_other_trl_versions_are_clear_errors(tmp_path, monkeypatch):
-    with pytest.raises(NotImplementedError, match="use_vllm=True is not supported yet"):
-        make(ReplayGRPOTrainer, tmp_path, use_vllm=True)
     with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
         make(ReplayGRPOTrainer, tmp_path, model=tiny_model(final_logit_softcapping=30.0))
     with pytest.raises(InputError, match="generation option typical_p=0.5: its support cannot be recorded"):
