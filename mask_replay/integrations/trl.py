@@ -19,8 +19,15 @@ takes every GRPOTrainer argument. What it changes (read against trl 1.16.0, trai
   is the whole vocabulary keeps TRL's own log-prob, so with no truncation nothing changes at all.
 - metrics `replay/kept_mass/mean` and `replay/support_size/mean` in TRL's logs.
 
-Not built yet (each a clear error): vLLM generation (its processed-log-probs path), transformers
-continuous batching, tools / environments / rollout_func (their completions hold tokens nobody
+- vLLM generation (`use_vllm=True`, colocate or server; `_trl_vllm.py`): the engine is asked for the
+  processed log-probs that show the whole support (top_k + 1, or V, or `replay_top_k_cap` + 1 with that
+  top_k added) and each completion's support is read off them (or off the engine's sampling masks);
+  TRL's sampling log-prob is handed the sampled token's entry. Never recomputed on the trainer side.
+
+Public API: `ReplayGRPOTrainer(*GRPOTrainer args, replay_top_k_cap=None, **GRPOTrainer kwargs)`,
+`INDEX_KEY`, `TESTED_TRL`; attribute `replay_vllm_settings` (vLLM mode: what the engine was asked for).
+
+Not built yet (each a clear error): transformers continuous batching, tools / environments / rollout_func (their completions hold tokens nobody
 sampled), models with a final logit softcap or a logit multiplier other than `logit_scale`.
 """
 from __future__ import annotations
