@@ -86,7 +86,9 @@ def recording(engine, *, temperature: float, vocab_size: int):
         masks = _engine_masks(raw) if raw is not None and getattr(engine, "tensor_parallel_size", 1) == 1 else None
         if masks is not None:
             captured["mask"] = masks
-            return prompt_ids, completion_ids, logprobs, token_ids
+            if logprobs is None or token_ids is None:
+                return prompt_ids, completion_ids, logprobs, token_ids
+            return prompt_ids, completion_ids, sampled_first(completion_ids, logprobs, token_ids), token_ids
         if token_ids is None or logprobs is None:
             raise EngineOutputError("the vLLM generation returned neither sampling masks nor processed log-probs "
                                     "with their token ids: replay cannot know the support (vLLM with "

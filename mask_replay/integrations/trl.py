@@ -27,8 +27,9 @@ takes every GRPOTrainer argument. What it changes (read against trl 1.16.0, trai
 Public API: `ReplayGRPOTrainer(*GRPOTrainer args, replay_top_k_cap=None, **GRPOTrainer kwargs)`,
 `INDEX_KEY`, `TESTED_TRL`; attribute `replay_vllm_settings` (vLLM mode: what the engine was asked for).
 
-Not built yet (each a clear error): transformers continuous batching, tools / environments / rollout_func (their completions hold tokens nobody
-sampled), models with a final logit softcap or a logit multiplier other than `logit_scale`.
+Not built yet (each a clear error): transformers continuous batching, tools / environments /
+rollout_func (their completions hold tokens nobody sampled), models with a final logit softcap or a
+logit multiplier other than `logit_scale`.
 """
 from __future__ import annotations
 

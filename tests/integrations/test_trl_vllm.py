@@ -3,6 +3,7 @@ samples from the trainer's own tiny model with top-k and returns what TRL 1.16's
 returns under `logprobs_mode="processed_logprobs"` with `logprobs=N` (per token up to N + 1 entries sorted
 by rank, -inf outside the support). No real engine."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -113,3 +114,58 @@ def test_vllm_without_token_ids_is_one_clear_error(tmp_path, fake_vllm, monkeypa
 def test_vllm_generation_kwargs_that_change_the_support_are_refused(tmp_path, fake_vllm):
     with pytest.raises(InputError, match="generation_kwargs logprobs, top_k: with replay"):
         make(tmp_path, top_k=5, generation_kwargs={"top_k": 3, "logprobs": 0})
+
+
+class MaskingVLLMGeneration(FakeVLLMGeneration):
+    """A colocated build whose engine outputs carry `sampling_mask` (TRL's generate calls `self.llm.generate`
+    and flattens the outputs): the support must come from those masks, not from the log-probs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.llm = SimpleNamespace(generate=self._engine)
+        self.support = 4  # the masks say 4 ids, the log-probs (top_k + 1 of them) would say top_k
+
+    def _engine(self, prompts):
+        out = []
+        for p in prompts:
+            tokens = [3 + (len(p) + t) % (V - 8) for t in range(3)]
+            rows = [sorted({tok, *range(40, 40 + self.support - 1)}) for tok in tokens]
+            out.append(SimpleNamespace(request_id=str(len(out)), outputs=[SimpleNamespace(
+                index=0, token_ids=tokens, logprobs=None, sampling_mask=rows)]))
+        return out
+
+    def generate(self, prompts, images, num_generations, profiler):
+        raw = self.llm.generate(prompts)
+        completions = [list(o.outputs[0].token_ids) for o in raw]
+        # TRL's lists, rank order: a rank-1 token that is not the sampled one comes first
+        ids = [[[45, tok] for tok in c] for c in completions]
+        lps = [[[-0.1, -2.5] for _ in c] for c in completions]
+        return [list(p) for p in prompts], completions, lps, ids
+
+
+def test_vllm_sampling_masks_are_used_where_the_engine_returns_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(grpo_module, "VLLMGeneration", MaskingVLLMGeneration)
+    trainer = make(tmp_path, top_k=5)
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    for b, i in enumerate(batch[INDEX_KEY].tolist()):
+        mask = trainer._replay_masks[i]
+        assert bool((mask.lengths() == 4).all())  # the engine's masks, not the top-N log-probs
+        for t, tok in enumerate(batch["completion_ids"][b, :mask.num_rows].tolist()):
+            assert tok in mask.row(t).tolist()
+    live = batch["completion_mask"].bool()
+    assert bool((batch["sampling_per_token_logps"][live] == -2.5).all())  # the sampled entry, not rank 1
+
+
+def test_vllm_output_one_row_short_names_the_completion(tmp_path, fake_vllm, monkeypatch):
+    trainer = make(tmp_path, top_k=5)
+    original = fake_vllm.generate
+
+    def short(self, *a, **k):
+        p, c, lps, ids = original(self, *a, **k)
+        return p, c, [lps[0][:-1]] + lps[1:], [ids[0][:-1]] + ids[1:]
+
+    monkeypatch.setattr(fake_vllm, "generate", short)
+    trainer.model.train()
+    with pytest.raises(EngineOutputError, match=r"completion 0: (\d+) tokens, (\d+) logprobs rows"):
+        trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
