@@ -169,3 +169,17 @@ def test_vllm_output_one_row_short_names_the_completion(tmp_path, fake_vllm, mon
     trainer.model.train()
     with pytest.raises(EngineOutputError, match=r"completion 0: (\d+) tokens, (\d+) logprobs rows"):
         trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def test_vllm_server_mode_takes_the_same_path(tmp_path, fake_vllm, monkeypatch):
+    # server mode: GRPOTrainer asks the server for its logprobs mode; the rest is VLLMGeneration.generate
+    monkeypatch.setattr(fake_vllm, "vllm_client", SimpleNamespace(
+        get_server_info=lambda: {"model_config": {"logprobs_mode": "processed_logprobs"}}), raising=False)
+    trainer = ReplayGRPOTrainer(model=tiny_model(), reward_funcs=reward_len,
+                                args=grpo_args(tmp_path, use_vllm=True, vllm_mode="server", top_k=4),
+                                train_dataset=prompts(4), processing_class=tiny_tokenizer())
+    assert trainer.vllm_generation.mode == "server" and trainer.vllm_generation.logprobs == 5
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert abs(logged["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
+    assert logged["replay/support_size/mean"] == 4.0 and 0 < logged["replay/kept_mass/mean"] < 1
