@@ -28,8 +28,9 @@ Public API: `ReplayGRPOTrainer(*GRPOTrainer args, replay_top_k_cap=None, **GRPOT
 `INDEX_KEY`, `TESTED_TRL`; attribute `replay_vllm_settings` (vLLM mode: what the engine was asked for).
 
 Not built yet (each a clear error): transformers continuous batching, tools / environments /
-rollout_func (their completions hold tokens nobody sampled), models with a final logit softcap or a
-logit multiplier other than `logit_scale`.
+rollout_func (their completions hold tokens nobody sampled), models with a logit multiplier other
+than `logit_scale`. A final logit softcap (Gemma 2) takes `_trl_softcap.py`'s path: the support's
+logits gathered per chunk of rows (O(nnz x d), recomputed in the backward), TRL's transform applied.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
 
 from mask_replay.errors import InputError
 from mask_replay.integrations import _trl_vllm
+from mask_replay.integrations._trl_softcap import softcapped_support_logprobs
 from mask_replay.integrations.transformers import WARPERS_OFF, MaskRecorder, hf_warpers
 from mask_replay.mask import SamplingMask
 from mask_replay.trainer.replay import replay_logprobs_from_hidden
@@ -74,9 +76,6 @@ def _refuse(what: str, why: str) -> None:
 def _logit_scale(config) -> float:
     """The factor TRL's fused head multiplies the logits by, or an error where replay cannot match it."""
     text = config.get_text_config()
-    if getattr(text, "final_logit_softcapping", None) is not None:
-        _refuse("a model with final_logit_softcapping",
-                "the softcap is not linear, so the support's logits cannot be renormalised from hidden @ W")
     for name in _OTHER_SCALES:
         if getattr(text, name, None) is not None:
             _refuse(f"a model config with {name}", "only logit_scale is folded into the temperature")
@@ -133,6 +132,9 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if self.tools or self.rollout_func is not None or self.environment_factories is not None:
             _refuse("tools, environments or rollout_func", "their completions hold tokens nobody sampled")
         self._replay_scale = _logit_scale(self.accelerator.unwrap_model(self.model).config)
+        # a final softcap is not linear in the logits: that path gathers the support's logits (_trl_softcap.py)
+        self._replay_softcap = getattr(self.accelerator.unwrap_model(self.model).config.get_text_config(),
+                                       "final_logit_softcapping", None)
         config = getattr(self, "generation_config", None)  # transformers generation only (vLLM: none)
         for key, off in (_UNRECORDED.items() if config is not None else ()):
             value = getattr(config, key, off)
@@ -290,7 +292,11 @@ class ReplayGRPOTrainer(GRPOTrainer):
         labels = input_ids[:, -k:][b_idx, p_idx]
         mask = SamplingMask.concat(masks).to(weight.device)
         with torch.autocast(weight.device.type, enabled=False):
-            lp = replay_logprobs_from_hidden(h, weight, mask, labels, self.temperature / self._replay_scale, bias)
+            if self._replay_softcap is None:
+                lp = replay_logprobs_from_hidden(h, weight, mask, labels, self.temperature / self._replay_scale, bias)
+            else:
+                lp = softcapped_support_logprobs(h, weight, bias, mask, labels, logit_scale=self._replay_scale,
+                                                 softcap=float(self._replay_softcap), temperature=self.temperature)
         out = trl_logps.new_zeros(trl_logps.shape).index_put((b_idx, p_idx), lp.to(trl_logps.dtype))
         out = out.masked_fill(~window, 0.0)  # TRL's zeros at masked positions (truncated completions)
         whole = torch.zeros_like(window)
