@@ -314,6 +314,27 @@ def test_sglang_fixed_capacity_form():
         SamplingMask.from_sglang({"token_ids": fixed.token_ids, "lengths": [3, 5, 0]})
 
 
+
+_FIXED = {"token_ids": [[7, 2, 5], [4, 0, 0]], "lengths": [3, 1], "sampled": [5, 4]}
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"selected_logprobs": [-1.0, float("nan")]}, r"token 1: selected_logprobs nan is not a log-probability"),
+    ({"selected_logprobs": [float("inf"), 0.0]}, r"token 0: selected_logprobs inf is not a log-probability"),
+    ({"selected_logprobs": torch.tensor([0.0, 0.5])}, r"token 1: selected_logprobs 0.5 is not a log-probability"),
+    ({"selected_logprobs": ["-1.0", "x"]}, r"selected_logprobs is not an array of numbers"),
+    ({"sampled": ["5", "4"]}, r"sampled is not an array of numbers"),
+    ({"sampled": [5.0, 4.0]}, r"sampled must hold integer token ids, got torch.float32"),
+    ({"selected_logprobs": [True, False]}, r"selected_logprobs must hold numbers, got torch.bool"),
+])
+def test_sglang_fixed_capacity_form_refuses_what_the_json_form_refuses(edit, message):
+    """Issue 30: NaN / +inf log-probs passed silently here (the JSON form refuses them); text gave a
+    bare torch error. One EngineOutputError naming the form and the key."""
+    with pytest.raises(EngineOutputError, match=r"^sglang fixed-capacity mask[: ].*" + message):
+        SamplingMask.from_sglang(dict(_FIXED, **edit))
+    assert SamplingMask.from_sglang(dict(_FIXED, selected_logprobs=[-1.0, float("-inf")])).logprobs[1] == float("-inf")
+
+
 # ---- padded layouts -----------------------------------------------------------------------------
 def reference_padded(rows, width):
     ids = [[-1] * width for _ in rows]

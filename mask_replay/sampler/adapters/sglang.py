@@ -19,7 +19,16 @@ import torch
 
 from mask_replay.errors import EngineOutputError
 from mask_replay.mask import adapter
-from mask_replay.sampler.adapters.common import Completion, as_list, build_mask, get, has, row_extras
+from mask_replay.params import INT_DTYPES
+from mask_replay.sampler.adapters.common import (
+    Completion,
+    _check_logprobs,
+    as_list,
+    build_mask,
+    get,
+    has,
+    row_extras,
+)
 from mask_replay.sampler.adapters.padded import mask_from_padded
 
 
@@ -87,18 +96,40 @@ def _is_fixed(obj) -> bool:
     return has(obj, "token_ids") and (has(obj, "lengths") or has(obj, "counts")) and not isinstance(obj, (list, tuple))
 
 
+FIXED = "sglang fixed-capacity mask"
+
+
+def _fixed_column(value, key: str) -> torch.Tensor:
+    """A per-row column of the fixed-capacity form as a tensor; text or ragged lists are named."""
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EngineOutputError(f"{FIXED}: {key} is not an array of numbers ({why})") from None
+
+
 def _from_fixed(obj, *, temperature, step, vocab_size):
     counts = get(obj, "lengths") if has(obj, "lengths") else get(obj, "counts")
     extras = {}
     sampled = get(obj, "sampled")
     if sampled is not None:
-        extras["sampled"] = torch.as_tensor(sampled).to(torch.int64)
+        sampled = _fixed_column(sampled, "sampled")
+        if sampled.dtype not in INT_DTYPES:
+            raise EngineOutputError(f"{FIXED}: sampled must hold integer token ids, got {sampled.dtype}")
+        extras["sampled"] = sampled.to(torch.int64)
     lp = get(obj, "selected_logprobs")
     if lp is not None:
-        extras["logprobs"] = torch.as_tensor(lp).to(torch.float32)
+        lp = _fixed_column(lp, "selected_logprobs")
+        if not (lp.is_floating_point() or lp.dtype in INT_DTYPES):
+            raise EngineOutputError(f"{FIXED}: selected_logprobs must hold numbers, got {lp.dtype}")
+        # the same rule as the JSON form's log-probs: NaN, +inf or > 0 is a broken response, named by its row
+        _check_logprobs(lp.detach().cpu().double().reshape(-1).numpy(), FIXED, "selected_logprobs")
+        extras["logprobs"] = lp.to(torch.float32)
     # SGLang leaves the slots past a row's length unspecified: they are not read
     mask = mask_from_padded(get(obj, "token_ids"), counts, strict_padding=False, vocab_size=vocab_size,
-                            source="sglang fixed-capacity mask", **extras)
+                            source=FIXED, **extras)
     mask.extras.update(row_extras(mask.num_rows, step=step, temperature=temperature))
     mask.metadata.update({"engine": "sglang", "logprobs_source": "selected_logprobs" if lp is not None else "none"})
     return mask
