@@ -23,6 +23,7 @@ import torch
 from mask_replay.csr import segment_sum
 from mask_replay.errors import InputError, OutsideSupportError
 from mask_replay.mask import SamplingMask
+from mask_replay.params import INT_DTYPES
 
 __all__ = ["score_centered_pg", "DEFAULT_CAP"]
 
@@ -52,7 +53,11 @@ def _refuse_bad_rows(op, bad_row, bad_entry, found, has_support, lp, lq, ids, sa
 def _row_values(name: str, values, n: int, shape, kept, device, dtype) -> torch.Tensor:
     """A scalar, [N] per mask row, or the labels' shape (read at the kept positions) -> [N]."""
     if not isinstance(values, torch.Tensor):
+        if isinstance(values, bool) or not isinstance(values, (int, float)):
+            raise TypeError(f"score_centered_pg: {name} must be a number or a tensor, got {type(values).__name__}")
         return torch.full((n,), float(values), dtype=dtype, device=device)
+    if not (values.is_floating_point() or values.dtype in INT_DTYPES):
+        raise ValueError(f"score_centered_pg: {name} must hold numbers, got {values.dtype}")
     v = values.to(device=device, dtype=dtype)
     if v.dim() == 0:
         return v.expand(n)
@@ -112,6 +117,11 @@ def score_centered_pg(
     lq = rollout_logprobs.detach().to(device=device, dtype=dtype)
 
     shape = kept = None
+    for name, t in (("labels", labels), ("loss_mask", loss_mask)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if labels is not None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
+        raise ValueError(f"{op}: labels must hold integer token ids, got {labels.dtype}")
     if labels is not None or loss_mask is not None:
         shape = tuple(labels.shape) if labels is not None else tuple(loss_mask.shape)
         keep = torch.ones(shape, dtype=torch.bool, device=device)
@@ -134,6 +144,8 @@ def score_centered_pg(
         sampled = mask.sampled
     if not isinstance(sampled, torch.Tensor) or tuple(sampled.shape) != (n,):
         raise ValueError(f"{op}: sampled must be a tensor [{n}] (one per mask row)")
+    if sampled.dtype not in INT_DTYPES:
+        raise ValueError(f"{op}: sampled must hold integer token ids, got {sampled.dtype}")
     ids = mask.token_ids.to(device=device, dtype=torch.int64)
     offsets = mask.offsets.to(device=device, dtype=torch.int64)
     lengths = offsets[1:] - offsets[:-1]

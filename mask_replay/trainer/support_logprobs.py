@@ -172,6 +172,10 @@ def support_logprobs_padded(
     probability 0 in any sum over slots); prime-rl's sampling_mask_logprobs pads with 0 instead:
     pass fill=0.0 for a loss written against that layout, and mask its padding yourself."""
     op = "support_logprobs_padded"
+    if not isinstance(mask, SamplingMask):
+        raise TypeError(f"{op}: mask must be a SamplingMask, got {type(mask).__name__}")
+    if isinstance(values, torch.Tensor) and not values.is_floating_point():
+        raise ValueError(f"{op}: values must be a floating tensor (log-probs), got {values.dtype}")
     if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.numel() != mask.nnz:
         got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
         raise ValueError(f"{op}: values must be [nnz] = [{mask.nnz}] (one per support entry), got {got}")
