@@ -7,8 +7,7 @@ and the adapter's own time.
    `make check-vllm-logprobs`; SmolLM2-135M float32 from MASK_REPLAY_MODEL_DIR, enforce_eager):
    the same seeded batch generated with logprobs_mode="processed_logprobs" and logprobs = None,
    0, 20, 50, 100 (top_k 50, top_p 0.9, T 0.8, ignore_eos), in one engine, settings interleaved
-   per repeat; medians of tokens/s and of CPU ms per token (the engine core in-process), and
-   their ratios to logprobs=None.
+   per repeat; medians of tokens/s and the ratio to logprobs=None.
 2. Adapter (mask-replay's venv): mask_from_vllm_logprobs on synthetic offline outputs (per token a
    dict of N + 1 Logprob-like objects, the support 1 to 50 ids, -inf after it, as the engine sends
    them) and mask_from_trl_vllm on the TRL layout; CPU seconds per 10^5 tokens, medians.
@@ -45,25 +44,20 @@ def engine_child(args):
 
     llm.generate(prompts, params(100), use_tqdm=False)  # warm-up
     rates = {str(n): [] for n in SETTINGS}
-    cpu = {str(n): [] for n in SETTINGS}
     for _ in range(args.reps):
         for n in SETTINGS:
-            t, c = time.perf_counter(), time.process_time()
+            t = time.perf_counter()
             outs = llm.generate(prompts, params(n), use_tqdm=False)
-            dt, dc = time.perf_counter() - t, time.process_time() - c
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rates[str(n)].append(tokens / dt)
-            cpu[str(n)].append(dc / tokens * 1e3)
-    print("RESULT " + json.dumps({"rates": rates, "cpu_ms": cpu}), flush=True)
+            dt = time.perf_counter() - t
+            rates[str(n)].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+    print("RESULT " + json.dumps(rates), flush=True)
 
 
 def engine(args):
     if not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
         sys.exit(f"no model checkpoint in {MODEL_DIR}: run `make check-vllm-logprobs` once (it exports "
                  "SmolLM2-135M there), or set MASK_REPLAY_MODEL_DIR")
-    # the engine core in this process (no V1 multiprocessing): its CPU time is then the process's,
-    # a figure that shared cores distort less than wall time
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("PYTHONPATH", None)
     cmd = [VLLM_PYTHON, os.path.abspath(__file__), "--engine-child", "--reps", str(args.reps),
            "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)]
@@ -71,14 +65,12 @@ def engine(args):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         sys.exit(f"vLLM engine run failed:\n{proc.stderr[-3000:]}")
-    got = json.loads(lines[-1][len("RESULT "):])
-    rates, cpu = got["rates"], got["cpu_ms"]
-    base, base_cpu = statistics.median(rates["None"]), statistics.median(cpu["None"])
-    print(f"engine: {args.prompts} prompts x {args.max_tokens} tokens, {args.reps} repeats (medians)")
+    rates = json.loads(lines[-1][len("RESULT "):])
+    base = statistics.median(rates["None"])
+    print(f"engine: {args.prompts} prompts x {args.max_tokens} tokens, {args.reps} repeats (median tokens/s)")
     for n in SETTINGS:
-        med, med_cpu = statistics.median(rates[str(n)]), statistics.median(cpu[str(n)])
-        print(f"  logprobs={str(n):>4}: {med:8.1f} tok/s (x{med / base:.3f} of None), "
-              f"{med_cpu:7.2f} CPU ms/token (x{med_cpu / base_cpu:.3f})")
+        med = statistics.median(rates[str(n)])
+        print(f"  logprobs={str(n):>4}: {med:8.1f} tok/s  ratio to None {med / base:.3f}")
 
 
 def synthetic(tokens, n, seed=0):
