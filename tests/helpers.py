@@ -13,6 +13,7 @@ autograd through them.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import pathlib
@@ -32,6 +33,15 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 # ---- capture reference -----------------------------------------------------------------------------
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+def fixture(name):
+    """A recorded or hand-written engine response in tests/fixtures/, parsed."""
+    with open(os.path.join(FIXTURES, name)) as f:
+        return json.load(f)
+
+
 def _expand(v, n, off):
     if v is None:
         return [off] * n

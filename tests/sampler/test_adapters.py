@@ -18,14 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from mask_replay import SamplingMask
 from mask_replay.errors import EngineOutputError
-from tests.helpers import assert_clean, assert_one_line_error, run
-
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
-
-
-def fixture(name):
-    with open(os.path.join(FIXTURES, name)) as f:
-        return json.load(f)
+from tests.helpers import FIXTURES, assert_clean, assert_one_line_error, fixture, run
 
 
 # ---- independent references ---------------------------------------------------------------------

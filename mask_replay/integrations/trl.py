@@ -1,0 +1,290 @@
+"""Replay inside TRL's GRPOTrainer (trl 1.16.x): `ReplayGRPOTrainer`, a drop-in subclass.
+
+    trainer = ReplayGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(top_p=0.9, ...), ...)
+
+takes every GRPOTrainer argument. What it changes (read against trl 1.16.0, trainer/grpo_trainer.py):
+
+- generation (transformers, `use_vllm=False`): TRL samples with `model.generate(generation_config=...)`.
+  For that call only, generate's own warpers are switched off and transformers' warpers for TRL's
+  sampling options (temperature, top_k, top_p, min_p, from the generation config TRL built, so
+  `generation_kwargs` count) run in the caller's `logits_processor`, a MaskRecorder last: the
+  support recorded is the one transformers sampled from. One SamplingMask per completion (a row per
+  completion token) stays on the trainer; the batch carries only `replay_index` [B], which TRL's
+  shuffle and split move with the sample like any other per-sample tensor.
+- loss side: `_get_per_token_logps_and_entropies`, TRL's one place for old, current and reference
+  log-probs, returns log-probs renormalised over each token's recorded support, from the LM head
+  weight and the backbone's hidden states (`replay_logprobs_from_hidden`, O(support x d), no
+  [tokens, V] logits), with TRL's logit transform (logit_scale folded into the temperature). TRL's
+  own fused head still runs (its entropy is what TRL logs and uses, unchanged); a token whose support
+  is the whole vocabulary keeps TRL's own log-prob, so with no truncation nothing changes at all.
+- metrics `replay/kept_mass/mean` and `replay/support_size/mean` in TRL's logs.
+
+Not built yet (each a clear error): vLLM generation (its processed-log-probs path), transformers
+continuous batching, tools / environments / rollout_func (their completions hold tokens nobody
+sampled), models with a final logit softcap or a logit multiplier other than `logit_scale`.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+try:  # trl and transformers are optional dependencies of mask_replay: pip install 'mask-replay[trl]'
+    import trl
+    from transformers import LogitsProcessorList
+    from trl import GRPOTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without trl
+    raise ImportError("mask_replay.integrations.trl needs trl 1.16: pip install 'mask-replay[trl]'") from exc
+
+from mask_replay.errors import InputError
+from mask_replay.integrations import _trl_vllm
+from mask_replay.integrations.transformers import WARPERS_OFF, MaskRecorder, hf_warpers
+from mask_replay.mask import SamplingMask
+from mask_replay.trainer.replay import replay_logprobs_from_hidden
+
+__all__ = ["ReplayGRPOTrainer", "INDEX_KEY", "TESTED_TRL"]
+
+TESTED_TRL = "1.16"
+INDEX_KEY = "replay_index"  # the batch key carrying each sample's mask id through TRL's shuffle/split
+
+if not trl.__version__.startswith(TESTED_TRL + "."):
+    raise ImportError(f"mask_replay.integrations.trl is built and tested against trl {TESTED_TRL}.x, "
+                      f"found trl {trl.__version__}: pip install 'trl=={TESTED_TRL}.0'")
+
+# generation options with a truncation no recorder here reproduces (their default is "off")
+_UNRECORDED = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "num_beams": 1}
+# logit multipliers TRL's fused head knows besides logit_scale; not folded here yet
+_OTHER_SCALES = ("output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def _refuse(what: str, why: str) -> None:
+    raise NotImplementedError(f"ReplayGRPOTrainer: {what} is not supported yet ({why})")
+
+
+def _logit_scale(config) -> float:
+    """The factor TRL's fused head multiplies the logits by, or an error where replay cannot match it."""
+    text = config.get_text_config()
+    if getattr(text, "final_logit_softcapping", None) is not None:
+        _refuse("a model with final_logit_softcapping",
+                "the softcap is not linear, so the support's logits cannot be renormalised from hidden @ W")
+    for name in _OTHER_SCALES:
+        if getattr(text, name, None) is not None:
+            _refuse(f"a model config with {name}", "only logit_scale is folded into the temperature")
+    scale = getattr(text, "logit_scale", None)
+    scale = 1.0 if scale is None else float(scale)
+    if not scale > 0:
+        _refuse(f"logit_scale {scale}", "a non-positive scale cannot be folded into the temperature")
+    return scale
+
+
+def _per_sequence(mask: SamplingMask, lengths: list[int]) -> list[SamplingMask]:
+    """The recorder's mask (rows sequence-major) cut into one mask per completion; a completion whose
+    token count differs from its rows is an error naming it and the first position without a row."""
+    counts = torch.bincount(mask.extras["sequence"].long().cpu(), minlength=len(lengths)).tolist()
+    out, start = [], 0
+    for i, (rows, tokens) in enumerate(zip(counts, lengths)):
+        if rows != tokens:
+            raise InputError(f"completion {i}: the recorded support has {rows} rows but the completion has "
+                             f"{tokens} tokens (first position without a match: {min(rows, tokens)})")
+        out.append(mask.select_rows(start, start + rows))
+        start += rows
+    return out
+
+
+@contextmanager
+def _recording_generate(model, chain: list, recorder: MaskRecorder, eos, captured: dict):
+    """For the duration, `model.generate` also runs `chain` (recorder last) and tells the recorder which
+    sequences its stopping criteria end; the output is kept in `captured`."""
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        recorder.reset()
+        recorder.eos_token_id = eos
+        kwargs["logits_processor"] = LogitsProcessorList(list(kwargs.get("logits_processor") or []) + chain)
+        kwargs["stopping_criteria"] = recorder.watch(kwargs.get("stopping_criteria"))
+        captured["output"] = original(*args, **kwargs)
+        return captured["output"]
+
+    model.generate = generate  # an instance attribute: shadows the method for this call only
+    try:
+        yield
+    finally:
+        del model.generate
+
+
+class ReplayGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose log-probs are renormalised over the support each token was sampled from."""
+
+    def __init__(self, *args, replay_top_k_cap: Optional[int] = None, **kwargs):
+        cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if cfg is not None and getattr(cfg, "use_transformers_continuous_batching", False):
+            _refuse("use_transformers_continuous_batching=True", "generate_batch takes no logits processor")
+        super().__init__(*args, **kwargs)
+        if self.tools or self.rollout_func is not None or self.environment_factories is not None:
+            _refuse("tools, environments or rollout_func", "their completions hold tokens nobody sampled")
+        self._replay_scale = _logit_scale(self.accelerator.unwrap_model(self.model).config)
+        config = getattr(self, "generation_config", None)  # transformers generation only (vLLM: none)
+        for key, off in (_UNRECORDED.items() if config is not None else ()):
+            value = getattr(config, key, off)
+            if value is not None and value != off:
+                raise InputError(f"generation option {key}={value!r}: its support cannot be "
+                                 "recorded (mask_replay records temperature, top_k, top_p and min_p)")
+        self._replay_masks: dict[int, SamplingMask] = {}
+        self._replay_owned = {"train": [], "eval": []}  # ids of each mode's latest generation
+        self._replay_next = 0
+        self._replay_active = None  # replay_index [B] of the batch being scored
+        self.replay_vllm_settings = None
+        if self.use_vllm:  # the engine is asked for the log-probs that show the support (_trl_vllm.py)
+            self.replay_vllm_settings = _trl_vllm.configure_engine(
+                self.vllm_generation, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                min_p=self.min_p, vocab_size=self._replay_vocab_size(), top_k_cap=replay_top_k_cap)
+
+    # -- generation ---------------------------------------------------------------------------------
+    def _sampling(self):
+        c = self.generation_config
+        return (c.temperature if c.temperature is not None else 1.0, c.top_k or None, c.top_p, c.min_p)
+
+    def _replay_vocab_size(self) -> int:
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return int(model.get_output_embeddings().weight.shape[0])
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.use_vllm:
+            with _trl_vllm.recording(self.vllm_generation, temperature=self.temperature,
+                                     vocab_size=self._replay_vocab_size()) as recorded:
+                completion_ids, logprobs = super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            mask = recorded()
+            if mask is None:
+                raise RuntimeError("ReplayGRPOTrainer: TRL generated without its vLLM engine; nothing was recorded")
+            self._keep(_per_sequence(mask, [len(c) for c in completion_ids]))
+            return completion_ids, logprobs
+        recorder, captured = MaskRecorder(), {}
+        temperature, top_k, top_p, min_p = self._sampling()
+        recorder.temperature = float(temperature)
+        chain = hf_warpers(temperature, top_k, top_p, min_p, reference=recorder.reference) + [recorder]
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        sampling_config = self.generation_config
+        self.generation_config = copy.deepcopy(sampling_config)
+        for key, value in WARPERS_OFF.items():  # the chain above is the only truncation applied
+            setattr(self.generation_config, key, value)
+        try:
+            with _recording_generate(model, chain, recorder, self.eos_token_ids, captured):
+                completion_ids, logprobs = super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        finally:
+            self.generation_config = sampling_config
+        if "output" not in captured:
+            raise RuntimeError("ReplayGRPOTrainer: TRL generated without model.generate; nothing was recorded")
+        masks = _per_sequence(recorder.mask(captured["output"], eos_token_id=self.eos_token_ids),
+                              [len(c) for c in completion_ids])
+        self._keep(masks)
+        return completion_ids, logprobs
+
+    def _keep(self, masks: list[SamplingMask]) -> None:
+        mode = "train" if self.model.training else "eval"
+        for old in self._replay_owned[mode]:  # that mode's previous generation is fully consumed
+            self._replay_masks.pop(old, None)
+        ids = list(range(self._replay_next, self._replay_next + len(masks)))
+        self._replay_next += len(masks)
+        self._replay_masks.update(zip(ids, masks))
+        self._replay_owned[mode] = ids
+        self._replay_active = torch.tensor(ids, dtype=torch.int64, device=self.accelerator.device)
+        # vLLM reports no kept mass: it is measured from the policy's logits at its first scoring (_replay)
+        self._replay_kept_pending = any(m.kept_mass is None for m in masks)
+        kept = (torch.cat([m.kept_mass.double() for m in masks]) if masks and not self._replay_kept_pending
+                else torch.zeros(0, dtype=torch.float64))
+        size = torch.cat([m.lengths().double() for m in masks]) if masks else torch.zeros(0, dtype=torch.float64)
+        totals = torch.stack([kept.sum(), size.sum(), torch.tensor(float(size.numel()), dtype=torch.float64)])
+        totals = self.accelerator.gather(totals.to(self.accelerator.device)).reshape(-1, 3).sum(0)
+        n = max(totals[2].item(), 1.0)
+        if not self._replay_kept_pending:
+            self._metrics[mode]["replay/kept_mass/mean"].append(totals[0].item() / n)
+        self._metrics[mode]["replay/support_size/mean"].append(totals[1].item() / n)
+
+    def _log_kept_from_logps(self, model, trl_logps, replayed, window) -> None:
+        """kept mass = exp(log pi_V - log pi_K) per token, from the policy's first scoring of the batch."""
+        if not getattr(self, "_replay_kept_pending", False) or model not in (self.model, self.model_wrapped):
+            return
+        self._replay_kept_pending = False
+        kept = torch.exp(trl_logps.detach() - replayed.detach()).double()[window]
+        totals = torch.stack([kept.sum(), torch.tensor(float(kept.numel()), dtype=torch.float64, device=kept.device)])
+        totals = self.accelerator.gather(totals.to(self.accelerator.device)).reshape(-1, 2).sum(0)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["replay/kept_mass/mean"].append(totals[0].item() / max(totals[1].item(), 1.0))
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        output[INDEX_KEY] = self._replay_active
+        self._replay_active = None
+        return output
+
+    # -- loss side ----------------------------------------------------------------------------------
+    def _compute_loss(self, model, inputs):
+        if INDEX_KEY not in inputs:
+            raise KeyError(f"ReplayGRPOTrainer: the batch has no '{INDEX_KEY}' (was it generated by this trainer?)")
+        self._replay_active = inputs[INDEX_KEY]
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._replay_active = None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if self._replay_active is None:
+            raise RuntimeError("ReplayGRPOTrainer: log-probs asked for outside a batch this trainer generated")
+        unwrapped = self.accelerator.unwrap_model(model)
+        head_model = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        hidden = []
+        hook = head_model.base_model.register_forward_hook(  # TRL's fused head calls the backbone as a module
+            lambda module, inp, out: hidden.append(out.last_hidden_state))
+        try:
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        finally:
+            hook.remove()
+        replayed = self._replay(head_model, torch.cat(hidden), input_ids, attention_mask, logits_to_keep, logps)
+        self._log_kept_from_logps(model, logps, replayed, attention_mask[:, -logits_to_keep:].bool())
+        return replayed, entropies, aux
+
+    def _replay(self, head_model, hidden, input_ids, attention_mask, k, trl_logps):
+        index = self._replay_active.tolist()
+        if len(index) != input_ids.shape[0]:
+            raise InputError(f"{len(index)} replay indices for a batch of {input_ids.shape[0]} samples")
+        masks = []
+        for b, i in enumerate(index):
+            if i not in self._replay_masks:
+                raise InputError(f"sample {b}: no recorded support for replay_index {i}")
+            masks.append(self._replay_masks[i])
+        lengths = torch.tensor([m.num_rows for m in masks], device=input_ids.device)
+        window = attention_mask[:, -k:].bool()
+        position = torch.arange(k, device=input_ids.device)
+        covered = position[None, :] < lengths[:, None]
+        if bool((window & ~covered).any()) or bool((lengths > k).any()):
+            bad = int(torch.nonzero((window & ~covered).any(1) | (lengths > k))[0])
+            tokens = int(window[bad].sum())
+            raise InputError(f"sample {bad} (replay_index {index[bad]}): the support has {masks[bad].num_rows} rows "
+                             f"but the completion has {tokens} tokens (position {min(masks[bad].num_rows, tokens)} "
+                             "has no row)")
+        b_idx, p_idx = torch.nonzero(covered, as_tuple=True)  # sample-major, positions ascending: the masks' order
+        lm_head = head_model.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias
+        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: the whole head, as TRL's fused head gathers it
+            weight = weight.full_tensor()
+            bias = bias.full_tensor() if bias is not None else None
+        h = hidden[:, :-1][:, -k:][b_idx, p_idx].to(weight.device)
+        if self.args.cast_lm_head_to_fp32:
+            h, weight = h.float(), weight.float()
+            bias = bias.float() if bias is not None else None
+        h = h.to(weight.dtype)
+        labels = input_ids[:, -k:][b_idx, p_idx]
+        mask = SamplingMask.concat(masks).to(weight.device)
+        with torch.autocast(weight.device.type, enabled=False):
+            lp = replay_logprobs_from_hidden(h, weight, mask, labels, self.temperature / self._replay_scale, bias)
+        out = trl_logps.new_zeros(trl_logps.shape).index_put((b_idx, p_idx), lp.to(trl_logps.dtype))
+        out = out.masked_fill(~window, 0.0)  # TRL's zeros at masked positions (truncated completions)
+        whole = torch.zeros_like(window)
+        whole[b_idx, p_idx] = mask.lengths().to(window.device) == weight.shape[0]
+        return torch.where(whole, trl_logps, out)  # nothing cut: TRL's own value, bit for bit

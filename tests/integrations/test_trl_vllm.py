@@ -1,0 +1,115 @@
+"""ReplayGRPOTrainer's vLLM mode on engine-shaped outputs: TRL's VLLMGeneration replaced by a fake that
+samples from the trainer's own tiny model with top-k and returns what TRL 1.16's `VLLMGeneration.generate`
+returns under `logprobs_mode="processed_logprobs"` with `logprobs=N` (per token up to N + 1 entries sorted
+by rank, -inf outside the support). No real engine."""
+import math
+
+import pytest
+import torch
+import trl.trainer.grpo_trainer as grpo_module
+
+from mask_replay.errors import EngineOutputError, InputError
+from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer
+from tests.integrations.trl_helpers import V, grpo_args, prompts, reward_len, tiny_model, tiny_tokenizer
+
+
+class FakeVLLMGeneration:
+    """TRL's VLLMGeneration (colocate) surface: attributes from its arguments, generate, sync_weights."""
+
+    instances = []
+
+    def __init__(self, model, accelerator, processing_class, **kwargs):
+        self.model, self.tensor_parallel_size = model, 1
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        self.calls = []
+        FakeVLLMGeneration.instances.append(self)
+
+    def sync_weights(self):
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations, profiler):
+        self.calls.append(dict(logprobs=self.logprobs, top_k=self.top_k))
+        g = torch.Generator().manual_seed(len(self.calls))
+        completions, lps, ids = [], [], []
+        for prompt in prompts:
+            seq, seq_lp, seq_ids = [], [], []
+            ctx = list(prompt)
+            for _ in range(self.max_completion_length):
+                z = self.model(input_ids=torch.tensor([ctx])).logits[0, -1].double() / self.temperature
+                k = self.top_k if self.top_k and self.top_k > 0 else V
+                cut = z.topk(k).values[-1]
+                x = torch.where(z >= cut, z, torch.tensor(-math.inf, dtype=z.dtype))
+                logp = torch.log_softmax(x, -1)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=g))
+                order = torch.argsort(logp, descending=True)[:self.logprobs].tolist()
+                keys = order + ([tok] if tok not in order else [])
+                keys.sort(key=lambda i: -float(logp[i]))  # TRL sorts by rank
+                seq.append(tok)
+                seq_ids.append(keys)
+                seq_lp.append([float(logp[i]) for i in keys])
+                ctx.append(tok)
+                if tok == 1:
+                    break
+            completions.append(seq)
+            lps.append(seq_lp)
+            ids.append(seq_ids)
+        return [list(p) for p in prompts], completions, lps, ids
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    FakeVLLMGeneration.instances.clear()
+    monkeypatch.setattr(grpo_module, "VLLMGeneration", FakeVLLMGeneration)
+    return FakeVLLMGeneration
+
+
+def make(tmp_path, **kw):
+    return ReplayGRPOTrainer(model=tiny_model(), reward_funcs=reward_len,
+                             args=grpo_args(tmp_path, use_vllm=True, vllm_mode="colocate", **kw),
+                             train_dataset=prompts(4), processing_class=tiny_tokenizer())
+
+
+def test_vllm_mode_asks_for_top_k_plus_one_and_builds_each_completions_support(tmp_path, fake_vllm):
+    trainer = make(tmp_path, top_k=5, temperature=0.8)
+    engine = fake_vllm.instances[0]
+    assert engine.logprobs == 6  # top_k + 1: every row ends in a -inf, so the guard can tell it is whole
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert engine.calls == [dict(logprobs=6, top_k=5)]
+    for b, i in enumerate(batch[INDEX_KEY].tolist()):
+        mask = trainer._replay_masks[i]
+        n = int(batch["completion_mask"][b].sum())
+        assert mask.num_rows == n and bool((mask.lengths() == 5).all())
+        assert torch.equal(mask.sampled, batch["completion_ids"][b, :n].cpu())
+    # TRL's sampling log-prob is the sampled token's (not the rank-1 entry's), and replay's old log-probs
+    # over the engine's support agree with it: the IS ratio TRL computes is 1
+    live = batch["completion_mask"].bool()
+    assert torch.allclose(batch["old_per_token_logps"][live], batch["sampling_per_token_logps"][live], atol=1e-5)
+    assert abs(trainer._metrics["train"]["sampling/importance_sampling_ratio/mean"][-1] - 1.0) < 1e-4
+    assert 0 < trainer._metrics["train"]["replay/kept_mass/mean"][-1] < 1
+    assert trainer._metrics["train"]["replay/support_size/mean"][-1] == 5.0
+
+
+def test_vllm_top_p_only_needs_the_vocabulary_or_a_cap(tmp_path, fake_vllm):
+    make(tmp_path, top_p=0.9)
+    assert fake_vllm.instances[-1].logprobs == V  # top-p alone bounds no support size
+    trainer = ReplayGRPOTrainer(model=tiny_model(), reward_funcs=reward_len, replay_top_k_cap=7,
+                                args=grpo_args(tmp_path, use_vllm=True, vllm_mode="colocate", top_p=0.9),
+                                train_dataset=prompts(4), processing_class=tiny_tokenizer())
+    assert trainer.vllm_generation.logprobs == 8 and trainer.vllm_generation.top_k == 7
+
+
+def test_vllm_without_token_ids_is_one_clear_error(tmp_path, fake_vllm, monkeypatch):
+    trainer = make(tmp_path, top_k=5)
+    original = fake_vllm.generate
+    monkeypatch.setattr(fake_vllm, "generate", lambda self, *a, **k: original(self, *a, **k)[:3] + (None,))
+    trainer.model.train()
+    with pytest.raises(EngineOutputError, match="neither sampling masks nor processed log-probs"):
+        trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def test_vllm_generation_kwargs_that_change_the_support_are_refused(tmp_path, fake_vllm):
+    with pytest.raises(InputError, match="generation_kwargs logprobs, top_k: with replay"):
+        make(tmp_path, top_k=5, generation_kwargs={"top_k": 3, "logprobs": 0})
