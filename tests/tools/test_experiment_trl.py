@@ -43,9 +43,9 @@ def test_bad_flags_name_the_flag(kwargs, flag):
         TrlExperimentConfig(**kwargs).check()
 
 
-def test_task_reward_reads_trl_completions():
+def test_task_reward_reads_trl_completions():  # "14 + 17 = 31" starts with an integer 17 off the sum
     completions = [[{"role": "assistant", "content": "31"}], [{"role": "assistant", "content": "14 + 17 = 31"}], "30"]
-    assert task_reward(completions, a=[14, 14, 14], b=[17, 17, 17]) == [1.0, 0.5 + 0.5 / 18, 0.75]  # "14 ..." starts with 14, 17 off
+    assert task_reward(completions, a=[14, 14, 14], b=[17, 17, 17]) == [1.0, 0.5 + 0.5 / 18, 0.75]
 
 
 def test_an_earlier_run_of_the_same_config_is_kept(tmp_path):
