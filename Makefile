@@ -126,9 +126,12 @@ build-vllm/.built: $(VLLM_VENV)/.deps $(shell find csrc -name '*.cpp' -o -name '
 
 venv-vllm: build-vllm/.built
 
+# one colocated engine per process: the two vLLM runs are two calls (the second adds its run to the first's JSON)
+TRL_FLAGS = --trainer trl --steps $(TRL_STEPS) --prompts-per-step 4 --group-size 4 --max-new-tokens 16 --lr 1e-5 --out $(TRL_OUT)
 experiment-trl: venv-vllm
-	$(VLLM_RUN) experiment --trainer trl --generation vllm --steps $(TRL_STEPS) --max-new-tokens 16 --out $(TRL_OUT)
-	$(VLLM_RUN) experiment --trainer trl --generation transformers --steps $(TRL_STEPS) --max-new-tokens 16 --out $(TRL_OUT)
+	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs no_replay
+	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs replay
+	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation transformers --runs both
 
 clean:
 	rm -rf build build-asan build-vllm *.egg-info mask_replay/_C*.so
