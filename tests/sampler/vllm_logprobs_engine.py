@@ -41,7 +41,7 @@ def export_model(folder: str = MODEL_DIR) -> str:
         return folder
     from mask_replay.tools.example import load_smollm2  # transformers: the optional [hf] extra
 
-    model, tokenizer = load_smollm2()
+    tokenizer, model = load_smollm2()
     model.hf_quantizer = None  # the weights are dequantized to float32 already: save them as such
     model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(folder)
