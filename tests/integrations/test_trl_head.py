@@ -7,7 +7,7 @@ import torch
 
 from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer
 from tests.helpers import hidden_ref, replay_ref
-from tests.integrations.trl_helpers import V, grpo_args, prompts, reward_len, tiny_model, tiny_tokenizer
+from tests.integrations.trl_helpers import V, grpo_args, prompts, replayed_batch, reward_len, tiny_model, tiny_tokenizer
 
 
 def test_tied_head_with_logit_scale_matches_dense_reference_and_gradients(tmp_path):
@@ -16,17 +16,7 @@ def test_tied_head_with_logit_scale_matches_dense_reference_and_gradients(tmp_pa
     assert model.lm_head.weight is model.model.embed_tokens.weight
     trainer = ReplayGRPOTrainer(model=model, reward_funcs=reward_len, train_dataset=prompts(4),
                                 args=grpo_args(tmp_path, temperature=T, top_k=5), processing_class=tiny_tokenizer())
-    trainer.model.train()
-    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    k = batch["completion_ids"].shape[1]
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    trainer._replay_active = batch[INDEX_KEY]
-    try:
-        lp, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention, k)
-    finally:
-        trainer._replay_active = None
-    hidden = model.model(input_ids=input_ids, attention_mask=attention).last_hidden_state[:, :-1][:, -k:]
+    lp, batch, input_ids, hidden, k = replayed_batch(trainer, model)
     weight = model.lm_head.weight
     ref = torch.zeros(lp.shape, dtype=torch.float64)
     for b, i in enumerate(batch[INDEX_KEY].tolist()):
@@ -50,17 +40,7 @@ def test_softcapped_head_matches_dense_reference_and_gradients(tmp_path, scale):
     trainer = ReplayGRPOTrainer(model=model, reward_funcs=reward_len, train_dataset=prompts(4),
                                 args=grpo_args(tmp_path, temperature=T, top_k=6, top_p=0.95),
                                 processing_class=tiny_tokenizer())
-    trainer.model.train()
-    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    k = batch["completion_ids"].shape[1]
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    trainer._replay_active = batch[INDEX_KEY]
-    try:
-        lp, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention, k)
-    finally:
-        trainer._replay_active = None
-    hidden = model.model(input_ids=input_ids, attention_mask=attention).last_hidden_state[:, :-1][:, -k:]
+    lp, batch, input_ids, hidden, k = replayed_batch(trainer, model)
     weight = model.lm_head.weight
     ref = torch.zeros(lp.shape, dtype=torch.float64)
     for b, i in enumerate(batch[INDEX_KEY].tolist()):

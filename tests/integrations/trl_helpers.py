@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from mask_replay.integrations.trl import INDEX_KEY
+
 V = 48
 
 
@@ -45,3 +47,21 @@ def grpo_args(out, **kw):
                 use_cpu=True, seed=0, bf16=False, beta=0.0)
     base.update(kw)
     return GRPOConfig(**base)
+
+
+def replayed_batch(trainer, model):
+    """One generation batch of `trainer` and replay's per-token log-probs of it, as the loss computes
+    them: (log-probs [B, K], the batch, input ids, the backbone's hidden states at the K completion
+    positions, K)."""
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    k = batch["completion_ids"].shape[1]
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    trainer._replay_active = batch[INDEX_KEY]
+    try:
+        lp, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention, k)
+    finally:
+        trainer._replay_active = None
+    hidden = model.model(input_ids=input_ids, attention_mask=attention).last_hidden_state[:, :-1][:, -k:]
+    return lp, batch, input_ids, hidden, k
