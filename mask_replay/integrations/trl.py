@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import Partial
 
 try:  # trl and transformers are optional dependencies of mask_replay: pip install 'mask-replay[trl]'
     import trl
@@ -84,6 +85,17 @@ def _logit_scale(config) -> float:
     if not scale > 0:
         _refuse(f"logit_scale {scale}", "a non-positive scale cannot be folded into the temperature")
     return scale
+
+
+def _gathered(param):
+    """The whole of a sharded (DTensor) parameter, its gradient averaged back onto the shards.
+
+    A plain `full_tensor()` hands each rank only its own batch's gradient for its shard (its backward
+    takes the local chunk of a gradient it assumes replicated), which FSDP2's reduce-scatter never
+    sees: the ranks' updates would differ. "avg" over every mesh dimension is FSDP2's mean over the
+    data-parallel ranks, and leaves a gradient that is already equal on all ranks (a tensor-parallel
+    dimension, same batch) unchanged."""
+    return param.full_tensor(grad_placements=[Partial("avg")] * param.device_mesh.ndim)
 
 
 def _per_sequence(mask: SamplingMask, lengths: list[int]) -> list[SamplingMask]:
@@ -281,9 +293,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         b_idx, p_idx = torch.nonzero(covered, as_tuple=True)  # sample-major, positions ascending: the masks' order
         lm_head = head_model.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias
-        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: the whole head, as TRL's fused head gathers it
-            weight = weight.full_tensor()
-            bias = bias.full_tensor() if bias is not None else None
+        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor (the head resharded after the forward): gather it
+            weight, bias = _gathered(weight), _gathered(bias) if bias is not None else None
         h = hidden[:, :-1][:, -k:][b_idx, p_idx].to(weight.device)
         if self.args.cast_lm_head_to_fp32:
             h, weight = h.float(), weight.float()
