@@ -99,7 +99,8 @@ def score_centered_pg(
     FELL_BACK_EMPTY) has loss 0 and no gradient: the rollout put all its mass on y, there is no
     distribution over S to weight or centre, as with |S| = 1. Its ``sampled`` entry is not checked.
     A NaN or +inf log-prob (either side, any entry) raises an InputError naming the row and token;
-    under torch.compile that check is not run and the row's loss is NaN instead.
+    under torch.compile that check is not run and the row's loss is NaN instead, nor is the check that
+    the labels / loss_mask keep exactly one position per mask row (it traces with fullgraph=True).
     """
     op = "score_centered_pg"
     if not isinstance(mask, SamplingMask):
@@ -132,10 +133,14 @@ def score_centered_pg(
                 raise ValueError(f"{op}: loss_mask must have the labels' shape {list(shape)}, got "
                                  f"{tuple(loss_mask.shape)}")
             keep &= loss_mask.to(device) != 0
-        kept = torch.nonzero(keep.reshape(-1))[:, 0]
-        if kept.numel() != n:
-            raise ValueError(f"{op}: the mask has {n} rows but the batch has {kept.numel()} positions that are not "
-                             "ignored")
+        keep = keep.reshape(-1)
+        if not torch.compiler.is_compiling():  # host-side check; traced, a miscount is the caller's to avoid
+            count = int(keep.sum())
+            if count != n:
+                raise ValueError(f"{op}: the mask has {n} rows but the batch has {count} positions that are not "
+                                 "ignored")
+        # a static size (the rows the mask says there are) keeps torch.compile(fullgraph=True) tracing
+        kept = torch.nonzero_static(keep, size=n)[:, 0]
     adv = _row_values("advantages", advantages, n, shape, kept, device, dtype)
 
     if sampled is None:

@@ -334,6 +334,34 @@ def test_score_centered_pg_traces_fullgraph_and_matches_eager(backend):
     _check_compiled(backend)
 
 
+def test_score_centered_pg_with_labels_and_loss_mask_traces_fullgraph():
+    """The batch layout ([B, T] labels with ignored positions, a loss mask) traces too: the kept
+    positions are found with a static size (the mask's row count)."""
+    mask, z_train, lq, _, adv = case(seed=6, n=5, v=11)
+    labels = torch.full((2, 4), -100, dtype=torch.int64)
+    labels.view(-1)[torch.tensor([0, 2, 3, 5, 6, 7])] = mask.sampled.new_zeros(6) + 1  # 6 not ignored
+    loss_mask = torch.ones(2, 4, dtype=torch.int64)
+    loss_mask[1, 3] = 0  # 5 kept positions = the mask's 5 rows
+    adv_b = torch.arange(8, dtype=torch.float64).reshape(2, 4) / 4
+
+    def f(logits, lq):
+        loss, metrics = mr.score_centered_pg(mr.replay_support_logprobs(logits, mask, temperature=0.9), lq, mask,
+                                             adv_b, cap=1.5, labels=labels, loss_mask=loss_mask)
+        return torch.cat([loss.reshape(-1), metrics[COEFFICIENT_L1][None], metrics[RATIO_TRUNCATED][None]])
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    want = f(z_train, lq)
+    torch.testing.assert_close(compiled(z_train, lq), want)
+    # the kept positions in order, the ignored ones 0
+    kept = torch.tensor([0, 2, 3, 5, 6])
+    rows, _ = mr.score_centered_pg(mr.replay_support_logprobs(z_train, mask, temperature=0.9), lq, mask,
+                                   adv_b.reshape(-1)[kept], cap=1.5)
+    assert torch.equal(want[:8][kept], rows) and not want[:8][[1, 4, 7]].any()
+    (got,), (ref,) = grads(lambda x: compiled(x, lq), z_train), grads(lambda x: f(x, lq), z_train)
+    torch.testing.assert_close(got, ref)
+
+
 @pytest.mark.slow
 def test_score_centered_pg_compiles_with_inductor():
     _check_compiled("inductor")
