@@ -39,6 +39,7 @@ def test_version():
     assert mask_replay.__version__ in result.output
 
 
+@pytest.mark.slow  # a subprocess / an end-to-end run: seconds
 def test_python_m_runs_the_cli():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-m", "mask_replay", "--help"], capture_output=True, text=True, env=env)
@@ -458,6 +459,7 @@ def test_plot_needs_steps(tmp_path):
     assert_clean(tmp_path, "s.json", "s.png")
 
 
+@pytest.mark.slow  # a subprocess / an end-to-end run: seconds
 def test_a_command_whose_optional_dependency_is_missing_is_one_line_and_listed():
     """Without transformers, `example` refuses in one line naming the extra (exit 1), writing nothing,
     and every other command still works: the example's module imports without the [hf] extra

@@ -282,6 +282,7 @@ def test_ctrl_c_during_start_up_is_one_line_130(entry, tmp_path):
     assert [ln for ln in err.splitlines() if ln.strip()] == ["mask-replay: error: interrupted"], err
 
 
+@pytest.mark.slow  # a subprocess / an end-to-end run: seconds
 def test_start_up_hook_turns_ctrl_c_into_one_line_130():
     """The hook itself, exercised directly in a child that raises KeyboardInterrupt at once."""
     code = ("import sys; sys.argv[0] = 'mask-replay'\n"
@@ -292,6 +293,7 @@ def test_start_up_hook_turns_ctrl_c_into_one_line_130():
     assert [ln for ln in out.stderr.splitlines() if ln.strip()] == ["mask-replay: error: interrupted"]
 
 
+@pytest.mark.slow  # a subprocess / an end-to-end run: seconds
 def test_library_users_keep_pythons_own_ctrl_c():
     code = "import mask_replay, sys; print(sys.excepthook is sys.__excepthook__)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

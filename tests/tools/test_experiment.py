@@ -74,6 +74,7 @@ def test_shared_precision_no_update_replay_ratio_is_one_and_no_replay_is_kept_ma
     assert [x["tokens"] for x in a] == [x["tokens"] for x in b]
 
 
+@pytest.mark.slow  # a subprocess / an end-to-end run: seconds
 def test_updates_move_the_ratio_and_files_are_written_reproducibly(tmp_path):
     tok, model = tiny_policy()
     cfg = tiny_config(lr=3e-2, trainer_dtype="bfloat16")
