@@ -26,7 +26,7 @@ def describe(d: Dump) -> dict:
     keys = [{"key": k, "shape": list(d.shape(k)), "dtype": _dtname(d.dtype(k)), "bytes": d.nbytes(k)}
             for k in sorted(d.keys())]
     summary, problem = {}, None
-    if "token_ids" in d and "offsets" in d:
+    if "token_ids" in d or "offsets" in d:  # one without the other: a mask file missing a key, named below
         kind = "mask file"
         try:  # the checks score makes: no statistics of a mask it would refuse
             check_mask_header(d.path, header_entries(d))  # before reading: the shapes bound what is read

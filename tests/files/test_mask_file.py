@@ -156,6 +156,49 @@ def test_keys_of_the_wrong_dtype_or_shape(tmp_path, base, key, value, needle):
     refused_everywhere(tmp_path, path, "bad.safetensors", needle, cls=DumpError)
 
 
+@pytest.mark.parametrize("key", ["token_ids", "offsets"])
+def test_a_mask_file_missing_its_ids_or_offsets(tmp_path, base, key):
+    tensors, meta = base
+    path = hostile(tmp_path / "half.safetensors", with_key(tensors, key, None), meta)
+    refused_everywhere(tmp_path, path, "half.safetensors", f"missing key '{key}' (is this a mask file?)",
+                       cls=DumpError)
+
+
+# ---- a header whose byte ranges lie about the data behind them ----------------------------------
+def _shift(key, by):
+    def patch(text):
+        header = json.loads(text)
+        header[key]["data_offsets"] = [o + by for o in header[key]["data_offsets"]]
+        return json.dumps(header)
+    return patch
+
+
+def _onto(key, other):
+    def patch(text):
+        header = json.loads(text)
+        header[key]["data_offsets"] = header[other]["data_offsets"]
+        return json.dumps(header)
+    return patch
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("entry_logprobs past the end", "overlap or leave a gap"),
+    ("entry_logprobs over token_ids", "overlap or leave a gap"),
+    ("truncated by 3 bytes", "the header says"),
+])
+def test_byte_ranges_that_lie(tmp_path, base, damage, needle):
+    tensors, meta = base
+    path = tmp_path / "lie.safetensors"
+    if damage == "entry_logprobs past the end":
+        hostile(path, tensors, meta, text=_shift("entry_logprobs", 1 << 20))
+    elif damage == "entry_logprobs over token_ids":
+        hostile(path, tensors, meta, text=_onto("entry_logprobs", "token_ids"))
+    else:
+        data, _ = safetensors_bytes(tensors, meta)
+        path.write_bytes(data[:-3])
+    refused_everywhere(tmp_path, str(path), "lie.safetensors", needle)
+
+
 # ---- not a file one can read ---------------------------------------------------------------------
 def test_a_folder_an_empty_file_and_an_unopenable_file(tmp_path, base, monkeypatch):
     (tmp_path / "dir.safetensors").mkdir()
