@@ -8,6 +8,7 @@ import torch
 
 import mask_replay as mr
 from mask_replay import SamplingMask
+from mask_replay import trainer as vp
 
 M = SamplingMask.from_lists([[0, 2], [1, 3, 4], [5]], sampled=torch.tensor([2, 1, 5]))
 E = SamplingMask.from_lists([], sampled=torch.zeros(0, dtype=torch.long))
@@ -111,7 +112,8 @@ def test_empty_batches_give_empty_results():
 # Before, the compiled ops' wrappers raised a bare RuntimeError or NotImplementedError (a meta mask),
 # the torch-op ones accepted int64 / float ids silently (float ids truncated) or failed inside torch
 # ("stack expects each tensor to be equal size" for 2-D offsets), and score_centered_pg /
-# support_logprobs_padded, which checked no CSR, failed with "repeats can not be negative".
+# support_logprobs_padded and the vocab-parallel ops, which checked no CSR (only ascending ids), failed
+# with "repeats can not be negative".
 def _ops_taking(m):
     lp = torch.zeros(max(m.token_ids.numel(), 0))
     return {
@@ -131,6 +133,14 @@ def _ops_taking(m):
         "support_entropy_from_hidden": lambda: mr.support_entropy_from_hidden(H, W, m),
         "support_kl_from_hidden": lambda: mr.support_kl_from_hidden(H, W, H, W, m),
         "score_centered_pg": lambda: mr.score_centered_pg(lp, lp, m, 1.0, sampled=M.sampled),
+        # checked on each rank before the one collective: no process group is needed to see them
+        "replay_logprobs_vocab_parallel": lambda: vp.replay_logprobs_vocab_parallel(Z, m, M.sampled, vocab_start=0),
+        "replay_logprobs_vocab_parallel_from_hidden": lambda: vp.replay_logprobs_vocab_parallel_from_hidden(
+            H, W, m, M.sampled, vocab_start=0),
+        "replay_support_logprobs_vocab_parallel": lambda: vp.replay_support_logprobs_vocab_parallel(
+            Z, m, vocab_start=0),
+        "replay_support_logprobs_vocab_parallel_from_hidden": lambda: (
+            vp.replay_support_logprobs_vocab_parallel_from_hidden(H, W, m, vocab_start=0)),
     }
 
 
@@ -162,8 +172,9 @@ def test_a_malformed_mask_is_one_error_naming_the_array_in_every_op(op, defect):
     ([1, 2, 5, 6], "offsets[0] must be 0, got 1"),
     ([0, 2, 5, 2 ** 62], "offsets[-1] = 4611686018427387904 but token_ids has 6 entries"),
 ])
-@pytest.mark.parametrize("op", ["support_logprobs_padded", "score_centered_pg"])
-def test_the_ops_without_logits_check_the_csr_too(op, offsets, words):
+@pytest.mark.parametrize("op", ["support_logprobs_padded", "score_centered_pg", "replay_logprobs_vocab_parallel",
+                                "replay_support_logprobs_vocab_parallel_from_hidden"])
+def test_the_ops_without_the_whole_vocabulary_check_the_csr_too(op, offsets, words):
     m = SamplingMask(M.token_ids, torch.tensor(offsets))
     with pytest.raises(mr.MaskFormatError, match=f"^{op}: " + words.replace("[", r"\[").replace("(", r"\(")
                        .replace(")", r"\)")):
