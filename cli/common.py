@@ -149,6 +149,11 @@ def check_device(device: str) -> None:
 
 INT64_MAX = 2 ** 63 - 1
 
+# --seed of the commands that load a model (example, experiment): torch.manual_seed takes nothing above
+# 2**64 - 1 and numpy's SeedSequence no negative seed, so these are refused when the flags are parsed,
+# before a model is loaded or --out is created.
+SEED = click.IntRange(min=0, max=2 ** 64 - 1)
+
 
 def check_sampling_flags(temperature=None, top_k=None, top_p=None, min_p=None, *, greedy_ok=True) -> None:
     """Sampling flags are finite and in range before any file is opened; errors name the flag.

@@ -3,7 +3,7 @@ transformers samples, a bf16 trainer's log-probs scored with and without replay.
 import click
 from rich.table import Table
 
-from mask_replay.cli.common import CONTEXT, CliError, console, one_line_errors
+from mask_replay.cli.common import CONTEXT, SEED, CliError, console, one_line_errors
 from mask_replay.tools.example import ExampleConfig, run_example
 
 
@@ -14,7 +14,7 @@ from mask_replay.tools.example import ExampleConfig, run_example
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--engine-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="dtype of the sampling model (the trainer always runs in bfloat16).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @one_line_errors
 def example(out, prompts, max_new_tokens, engine_dtype, seed):
     """Sample chat answers from SmolLM2-135M-Instruct (T=1 top_p=0.9; T=0.7 top_k=50 top_p=0.95),

@@ -2,7 +2,7 @@
 import click
 from rich.table import Table
 
-from mask_replay.cli.common import CONTEXT, CliError, check_sampling_flags, console, one_line_errors
+from mask_replay.cli.common import CONTEXT, SEED, CliError, check_sampling_flags, console, one_line_errors
 from mask_replay.tools.experiment import RUNS, ExperimentConfig, run_experiment
 from mask_replay.tools.experiment_trl import RUNS as TRL_RUNS
 from mask_replay.tools.experiment_trl import TrlExperimentConfig
@@ -35,9 +35,7 @@ from mask_replay.tools.experiment_trl import run_experiment as run_trl
               help="Held-out reward every this many steps (and after the last).")
 @click.option("--eval-prompts", type=click.IntRange(min=1, max=32), default=16, show_default=True)
 @click.option("--runs", type=click.Choice(["both", "replay", "no_replay"]), default="both", show_default=True)
-# numpy's SeedSequence takes no negative seed and torch.manual_seed nothing above 2**64 - 1: refused here,
-# before the model is loaded and --out is created
-@click.option("--seed", type=click.IntRange(min=0, max=2 ** 64 - 1), default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)  # bounded: common.SEED
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option("--trainer", type=click.Choice(["seed", "trl"]), default="seed", show_default=True,
               help="seed: mask-replay's own GRPO loop; trl: TRL's GRPOTrainer / ReplayGRPOTrainer "

@@ -251,12 +251,12 @@ class SamplingMask:
 
     @classmethod
     def load(cls, path, device="cpu", *, validate: bool = True) -> "SamplingMask":
-        from mask_replay.files.safetensors_stream import read_all
+        from mask_replay.files.mask_file import read_mask_tensors
 
-        tensors, meta = read_all(path)
+        tensors, meta = read_mask_tensors(path, check=validate)
         for key in ("token_ids", "offsets"):
             if key not in tensors:
-                raise MaskFormatError(f"missing key '{key}' (is this a mask file?)", file=path)
+                raise MaskFormatError(f"missing key '{key}' (is this a mask file?)", file=str(path))
         check_file_dtypes(tensors, str(path))
         named = {k: tensors.pop(k) for k in _ROW_EXTRAS + (ENTRY_KEY,) if k in tensors}
         mask = cls(tensors.pop("token_ids"), tensors.pop("offsets"), extras=tensors, metadata=meta, **named)
@@ -317,12 +317,14 @@ _FILE_KINDS = {"sampled": "integer", "step": "integer", "sequence": "integer", "
 
 
 def check_file_dtypes(tensors: dict, source: str) -> None:
+    """`tensors`: key -> tensor, or key -> dtype (a file's header, checked before anything is read)."""
     for key, kind in _FILE_KINDS.items():
         t = tensors.get(key)
         if t is None:
             continue
-        ok = {"integer": not t.is_floating_point() and t.dtype != torch.bool,
-              "float": t.is_floating_point(), "bool": t.dtype == torch.bool}[kind]
+        dt = t if isinstance(t, torch.dtype) else t.dtype
+        ok = {"integer": not dt.is_floating_point and dt != torch.bool,
+              "float": dt.is_floating_point, "bool": dt == torch.bool}[kind]
         if not ok:
             raise MaskFormatError(f"{source}: key '{key}': must be {'an' if kind == 'integer' else 'a'} {kind} "
-                                  f"tensor, got {str(t.dtype).replace('torch.', '')}")
+                                  f"tensor, got {str(dt).replace('torch.', '')}")

@@ -29,6 +29,7 @@ LAYERS = {
 # mask.adapter, so mask.py imports nothing from sampler/adapters/: mask.py's module doc.)
 ALLOWED_LATE = {
     ("mask_replay.mask", "mask_replay.files.safetensors_stream"): "SamplingMask.save and load",
+    ("mask_replay.mask", "mask_replay.files.mask_file"): "SamplingMask.load's header checks (read_mask_tensors)",
 }
 
 

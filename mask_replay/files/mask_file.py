@@ -9,19 +9,24 @@ only the per-row keys (offsets, sampled, logprobs, ...: a few bytes per row) are
 support ids of rows [a, b) are read with pread when those rows are scored, and checked then
 (SamplingMask.validate on the chunk: ids in range and ascending, sampled in range). The checks
 that need the whole file (offsets start at 0, never decrease, end at the number of ids; every
-per-row key has one value per row) are made once at open, on the per-row keys only.
+per-row key has one value per row) are made once at open, on the per-row keys only. Before any of
+them is read, the header alone is checked (check_mask_header: a key whose declared shape is not
+one value per row is refused before its bytes are allocated; check_unique_keys: a header naming a
+key twice), the same checks for SamplingMask.load (read_mask_tensors) and `inspect`.
 """
 from __future__ import annotations
 
 import json
+import os
+import struct
 from typing import Optional
 
 import torch
 
 from mask_replay.csr import check_offsets, check_row_values
-from mask_replay.errors import MaskFormatError
-from mask_replay.files.dumps import Dump
-from mask_replay.files.safetensors_stream import StreamWriter
+from mask_replay.errors import DumpError, MaskFormatError
+from mask_replay.files.dumps import Dump, _dtname
+from mask_replay.files.safetensors_stream import MAX_HEADER, Header, StreamWriter, read_all
 from mask_replay.mask import _ROW_EXTRAS, ENTRY_KEY, SamplingMask, check_file_dtypes, file_metadata
 
 
@@ -37,21 +42,12 @@ class MaskFile:
 
     def _open(self):
         d, path = self._dump, self.path
-        for key in ("token_ids", "offsets"):
-            if key not in d:
-                raise MaskFormatError(f"missing key '{key}' (is this a mask file?)", file=path)
-        if d.dtype("token_ids") != torch.int32 or len(d.shape("token_ids")) != 1:
-            raise MaskFormatError(f"{path}: key 'token_ids': must be a 1-D int32 tensor, got "
-                                  f"{d.dtype('token_ids')} {list(d.shape('token_ids'))}")
+        check_unique_keys(path)
+        check_mask_header(path, header_entries(d))  # before anything is read: shapes bound what is
         self.nnz = d.shape("token_ids")[0]
         # entry_logprobs is per entry ([nnz], read with its rows' ids); every other key is per row
         self.has_entry_logprobs = ENTRY_KEY in d
-        if self.has_entry_logprobs and (not d.dtype(ENTRY_KEY).is_floating_point
-                                        or tuple(d.shape(ENTRY_KEY)) != (self.nnz,)):
-            raise MaskFormatError(f"{path}: key '{ENTRY_KEY}': must be a 1-D float tensor of {self.nnz} entries "
-                                  f"(one per support id), got {d.dtype(ENTRY_KEY)} {list(d.shape(ENTRY_KEY))}")
         per_row = {k: d.get(k) for k in d.keys() if k not in ("token_ids", ENTRY_KEY)}
-        check_file_dtypes(per_row, path)
         o = per_row.pop("offsets")
         check_offsets(o, self.nnz, source=path)
         self.offsets = o
@@ -91,6 +87,96 @@ class MaskFile:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def header_entries(d: Dump) -> dict:
+    """key -> (dtype, shape) of an open file, from its header (nothing read)."""
+    return {k: (d.dtype(k), tuple(d.shape(k))) for k in d.keys()}
+
+
+def check_mask_header(path: str, entries: dict) -> None:
+    """What a mask file's header alone must hold, checked before any tensor is read (entries: key ->
+    (dtype, shape)): token_ids 1-D int32, offsets 1-D int64 of N + 1 >= 1 entries, entry_logprobs one
+    float per id, every other key one value per row ([N]), each documented key of its kind. So a
+    key whose declared shape lies (GBs for a 24-row file) is refused before its bytes are allocated."""
+    for key in ("token_ids", "offsets"):
+        if key not in entries:
+            raise MaskFormatError(f"missing key '{key}' (is this a mask file?)", file=path)
+    dt, shape = entries["token_ids"]
+    if dt != torch.int32 or len(shape) != 1:
+        raise MaskFormatError(f"must be a 1-D int32 tensor, got {_dtname(dt)} {list(shape)}", file=path,
+                              key="token_ids")
+    nnz = shape[0]
+    dt, shape = entries["offsets"]
+    if dt != torch.int64 or len(shape) != 1 or shape[0] < 1:
+        raise MaskFormatError(f"must be a 1-D int64 tensor of N+1 >= 1 entries, got {_dtname(dt)} {list(shape)}",
+                              file=path, key="offsets")
+    n = shape[0] - 1
+    check_file_dtypes({k: dt for k, (dt, _) in entries.items()}, path)
+    for key, (dt, shape) in entries.items():
+        if key == ENTRY_KEY and tuple(shape) != (nnz,):
+            raise MaskFormatError(f"must be a 1-D float tensor of {nnz} entries (one per support id), got "
+                                  f"{_dtname(dt)} {list(shape)}", file=path, key=key)
+        if key not in ("token_ids", "offsets", ENTRY_KEY) and tuple(shape) != (n,):
+            raise MaskFormatError(f"{key} must have shape [{n}], got {tuple(shape)}", file=path)
+
+
+def check_unique_keys(path: str) -> None:
+    """DumpError when the JSON header of the safetensors file at `path` names a key twice in one
+    object (two tensors, two metadata entries, two fields of an entry): JSON leaves a duplicate's
+    meaning open and readers differ (Python's json and the reference reader keep the last tensor
+    entry, the reference reader refuses a second __metadata__), so one file could be read as two
+    masks. A file whose header cannot be read at all is left to the reader, which says why."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER:
+                return
+            text = f.read(n)
+    except OSError:
+        return
+    twice = []
+
+    def unique(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen and k not in twice:
+                twice.append(k)
+            seen.add(k)
+        return dict(pairs)
+
+    try:
+        json.loads(text, object_pairs_hook=unique)
+    except (ValueError, RecursionError):
+        return
+    if twice:
+        raise DumpError(f"the safetensors header names '{twice[0]}' twice (a JSON duplicate key: readers "
+                        "disagree on which one counts)", file=path)
+
+
+def read_mask_tensors(path, *, check: bool = True):
+    """(tensors, metadata) of the mask file at `path`, read whole (SamplingMask.load). With `check`,
+    the header is checked first (check_unique_keys, check_mask_header): a key whose shape lies is
+    refused before it is read."""
+    path = os.fspath(path)
+    if check:
+        if os.path.isdir(path):
+            raise DumpError("is a folder, expected a mask file", file=path)
+        if os.path.exists(path):  # a missing file: read_all says so
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise DumpError(f"cannot be opened ({exc.strerror})", file=path) from None
+            try:
+                header = Header(path, fd)
+            finally:
+                os.close(fd)
+            check_unique_keys(path)
+            check_mask_header(path, {k: (v[0], v[1]) for k, v in header.tensors.items()})
+    return read_all(path)
 
 
 # Room kept in a streamed mask file's header for the log-prob mismatch report, which is known only

@@ -6,6 +6,7 @@ import torch
 from mask_replay.csr import check_offsets, check_row_values
 from mask_replay.errors import DumpError
 from mask_replay.files.dumps import Dump, _dtname
+from mask_replay.files.mask_file import check_mask_header, check_unique_keys, header_entries
 
 # A compressed .npz member declaring more than this is refused unless asked for (--force): a few
 # MB can inflate to GBs. Only the .npy headers are read either way.
@@ -16,6 +17,7 @@ def inspect_file(path, *, force: bool = False) -> dict:
     """describe() of the file at `path`; .npz members that inflate past INFLATE_LIMIT are refused
     unless `force`."""
     with Dump(path, inflate_limit=None if force else INFLATE_LIMIT) as d:
+        check_unique_keys(d.path)  # a .pt or .npz holds no such header: nothing to check there
         return describe(d)
 
 
@@ -24,15 +26,12 @@ def describe(d: Dump) -> dict:
     keys = [{"key": k, "shape": list(d.shape(k)), "dtype": _dtname(d.dtype(k)), "bytes": d.nbytes(k)}
             for k in sorted(d.keys())]
     summary, problem = {}, None
-    if "token_ids" in d and "offsets" in d:
+    if "token_ids" in d or "offsets" in d:  # one without the other: a mask file missing a key, named below
         kind = "mask file"
-        shape, dt = d.shape("offsets"), d.dtype("offsets")
-        if len(shape) != 1 or shape[0] < 1 or dt != torch.int64:
-            problem = str(d.err("offsets", f"must be 1-D int64 with N+1 >= 1 entries, got {_dtname(dt)} {list(shape)}"))
-            return {"kind": kind, "keys": keys, "summary": summary, "metadata": dict(d.metadata), "problem": problem}
-        offsets = d.get("offsets")  # [N+1] int64: small, unlike the logits of a dump
-        nnz = int(d.shape("token_ids")[0]) if len(d.shape("token_ids")) == 1 else -1
         try:  # the checks score makes: no statistics of a mask it would refuse
+            check_mask_header(d.path, header_entries(d))  # before reading: the shapes bound what is read
+            offsets = d.get("offsets")  # [N+1] int64: small, unlike the logits of a dump
+            nnz = int(d.shape("token_ids")[0])
             check_offsets(offsets, nnz, source=d.path)
             check_row_values({k: d.get(k) for k in ("logprobs", "kept_mass", "capture_logprobs") if k in d},
                              source=d.path)
@@ -40,19 +39,15 @@ def describe(d: Dump) -> dict:
             return {"kind": kind, "keys": keys, "summary": summary, "metadata": dict(d.metadata), "problem": str(exc)}
         lengths = (offsets[1:] - offsets[:-1]).double()
         summary["rows"] = int(lengths.numel())
-        summary["nnz"] = int(d.shape("token_ids")[0]) if d.shape("token_ids") else 0
+        summary["nnz"] = nnz
         if lengths.numel():
             summary.update({
                 "support size mean": float(lengths.mean()), "support size median": float(lengths.median()),
                 "support size p99": float(torch.quantile(lengths, 0.99)), "support size max": int(lengths.max()),
                 "singleton share": float((lengths == 1).double().mean()),
             })
-        if "entry_logprobs" in d:  # header only: its values are checked where rows are read (score, load)
-            ok = list(d.shape("entry_logprobs")) == [summary["nnz"]] and d.dtype("entry_logprobs").is_floating_point
-            summary["entry log-probs"] = "one per support entry" if ok else "malformed"
-            if not ok:
-                problem = str(d.err("entry_logprobs", f"must be a 1-D float tensor of {summary['nnz']} entries, got "
-                                    f"{_dtname(d.dtype('entry_logprobs'))} {list(d.shape('entry_logprobs'))}"))
+        if "entry_logprobs" in d:  # shape checked above; its values are checked where rows are read (score, load)
+            summary["entry log-probs"] = "one per support entry"
     else:
         try:
             if "sampled" in d:

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from mask_replay._ops import ops
-from mask_replay.mask import SamplingMask
 from mask_replay.params import output_dtype, temperature_value
+from mask_replay.trainer.sparse_head import check_mask_arrays
 
 IGNORED = -1  # status of a position without a mask row (replay's own codes are 0, 1, 2)
 
@@ -231,8 +231,7 @@ def _rows_csr(token_ids, m_off, kept_rows, r: int, y_kept, t_kept):
 def replay_layout(logits, mask, sampled, temperature, *, ignore_index=-100, loss_mask=None, cu_seqlens=None,
                   fallback=False, return_status=False, out_dtype=None):
     """replay_logprobs over a trainer batch; see replay.replay_logprobs for the contract."""
-    if not isinstance(mask, SamplingMask):
-        raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
+    check_mask_arrays(mask, "replay_logprobs")  # the layout op would cast float or int64 ids to int32 silently
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits must be [B, T, V] or packed [total_tokens, V], got {logits.dim()}-D")
     if logits.dim() == 3 and cu_seqlens is not None:

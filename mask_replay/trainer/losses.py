@@ -24,6 +24,7 @@ from mask_replay.csr import segment_sum
 from mask_replay.errors import InputError, OutsideSupportError
 from mask_replay.mask import SamplingMask
 from mask_replay.params import INT_DTYPES
+from mask_replay.trainer.sparse_head import check_mask_arrays, mask_csr
 
 __all__ = ["score_centered_pg", "DEFAULT_CAP"]
 
@@ -58,6 +59,8 @@ def _row_values(name: str, values, n: int, shape, kept, device, dtype) -> torch.
         return torch.full((n,), float(values), dtype=dtype, device=device)
     if not (values.is_floating_point() or values.dtype in INT_DTYPES):
         raise ValueError(f"score_centered_pg: {name} must hold numbers, got {values.dtype}")
+    if values.is_meta:
+        raise ValueError(f"score_centered_pg: {name} is a meta tensor (a shape without values)")
     v = values.to(device=device, dtype=dtype)
     if v.dim() == 0:
         return v.expand(n)
@@ -103,14 +106,15 @@ def score_centered_pg(
     the labels / loss_mask keep exactly one position per mask row (it traces with fullgraph=True).
     """
     op = "score_centered_pg"
-    if not isinstance(mask, SamplingMask):
-        raise TypeError(f"{op}: mask must be a SamplingMask, got {type(mask).__name__}")
+    check_mask_arrays(mask, op)
     n, nnz = mask.num_rows, mask.nnz
     for name, t in (("trainer_logprobs", trainer_logprobs), ("rollout_logprobs", rollout_logprobs)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != nnz or not t.is_floating_point():
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{op}: {name} must be a floating tensor [nnz] = [{nnz}] aligned with the mask's "
                              f"token_ids, got {got}")
+        if t.is_meta:
+            raise ValueError(f"{op}: {name} is a meta tensor (a shape without values)")
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
         raise ValueError(f"{op}: cap must be a number > 0, got {cap!r}")
     lp = trainer_logprobs
@@ -151,10 +155,8 @@ def score_centered_pg(
         raise ValueError(f"{op}: sampled must be a tensor [{n}] (one per mask row)")
     if sampled.dtype not in INT_DTYPES:
         raise ValueError(f"{op}: sampled must hold integer token ids, got {sampled.dtype}")
-    ids = mask.token_ids.to(device=device, dtype=torch.int64)
-    offsets = mask.offsets.to(device=device, dtype=torch.int64)
+    ids, offsets, rows = mask_csr(mask, n, None, device, op)  # a malformed CSR: one error naming the row
     lengths = offsets[1:] - offsets[:-1]
-    rows = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=nnz)
     is_y = ids == sampled.to(device=device, dtype=torch.int64)[rows]
     found = segment_sum(is_y.to(torch.int64), rows, n)
     has_support = lengths > 0  # an empty row is a forced token: loss 0, outside the metrics (module doc)

@@ -21,7 +21,7 @@ from mask_replay._ops import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE, REPLAYED, ops, 
 from mask_replay.mask import SamplingMask
 from mask_replay.params import output_dtype, temperature_per_row
 from mask_replay.trainer.layouts import replay_layout
-from mask_replay.trainer.sparse_head import replay_from_hidden_sparse
+from mask_replay.trainer.sparse_head import check_mask_arrays, replay_from_hidden_sparse
 
 Temperature = Union[float, int, torch.Tensor]
 
@@ -48,7 +48,9 @@ def _sampled(sampled: Optional[torch.Tensor], mask: Optional[SamplingMask], n: i
         if mask is None or mask.sampled is None:
             raise ValueError("sampled is required (the mask carries no sampled tokens)")
         sampled = mask.sampled
-        if sampled.dim() == 1 and sampled.shape[0] != n:  # the caller passed no sampled: the mask is the misfit
+        if tuple(sampled.shape) != (mask.num_rows,):  # the mask itself is malformed (SamplingMask.validate says so)
+            raise ValueError(f"mask.sampled has shape {tuple(sampled.shape)} but the mask has {mask.num_rows} rows")
+        if sampled.shape[0] != n:  # the caller passed no sampled: the mask is the misfit
             raise ValueError(f"the mask has {mask.num_rows} rows but there are {n} rows of logits "
                              f"(sampled defaults to mask.sampled)")
     if not isinstance(sampled, torch.Tensor) or sampled.dim() != 1 or sampled.shape[0] != n:
@@ -59,9 +61,8 @@ def _sampled(sampled: Optional[torch.Tensor], mask: Optional[SamplingMask], n: i
     return sampled.to(device=device, dtype=torch.int64).contiguous()
 
 
-def _mask_tensors(mask: SamplingMask, device):
-    if not isinstance(mask, SamplingMask):
-        raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
+def _mask_tensors(mask: SamplingMask, device, op: str):
+    check_mask_arrays(mask, op)  # dtypes, shapes, data: one error naming the array before the kernel runs
     # A mask loaded from disk lives on the CPU while the logits are on the GPU; it is O(nnz).
     return mask.token_ids.to(device), mask.offsets.to(device)
 
@@ -112,7 +113,7 @@ def replay_logprobs(
                              out_dtype=out_dtype)
     out = output_dtype(out_dtype, logits.dtype, "replay_logprobs")
     n = _rows_of(logits, "logits", "[N, V]")
-    ids, offsets = _mask_tensors(mask, logits.device)
+    ids, offsets = _mask_tensors(mask, logits.device, "replay_logprobs")
     y = _sampled(sampled, mask, n, logits.device)
     t = _temperature(temperature, n, logits.device)
     logp, _, status = ops.replay_fwd(logits, ids, offsets, y, t, bool(fallback))
@@ -153,7 +154,9 @@ def replay_logprobs_from_hidden(
     n = _rows_of(hidden, "hidden", "[N, d]")  # first: output_dtype reads hidden.dtype
     out = output_dtype(out_dtype, hidden.dtype, "replay_logprobs_from_hidden")
     _rows_of(weight, "weight", "[V, d]")
-    ids, offsets = _mask_tensors(mask, hidden.device)
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a tensor of shape [V] or None, got {type(bias).__name__}")
+    ids, offsets = _mask_tensors(mask, hidden.device, "replay_logprobs_from_hidden")
     y = _sampled(sampled, mask, n, hidden.device)
     t = _temperature(temperature, n, hidden.device)
     b = bias if bias is not None else hidden.new_empty((0,))
@@ -177,5 +180,5 @@ def kept_mass(logits: torch.Tensor, mask: SamplingMask, temperature: Temperature
     """exp(logsumexp_K x - logsumexp_V x): the probability mass the support keeps under the full
     temperature-scaled distribution (0 for an empty row). Not differentiable."""
     n = _rows_of(logits, "logits", "[N, V]")
-    ids, offsets = _mask_tensors(mask, logits.device)
+    ids, offsets = _mask_tensors(mask, logits.device, "kept_mass")
     return ops.kept_mass(logits, ids, offsets, _temperature(temperature, n, logits.device))

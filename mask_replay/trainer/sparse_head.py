@@ -17,22 +17,65 @@ from typing import Optional
 import torch
 
 from mask_replay._ops import FELL_BACK_EMPTY, FELL_BACK_OUTSIDE, REPLAYED, higher_order_error, refuse_double_backward
-from mask_replay.csr import device_csr, segment_logsumexp, segment_sum
+from mask_replay.csr import check_csr, device_csr, segment_logsumexp, segment_sum
+from mask_replay.errors import MaskFormatError
 from mask_replay.mask import SamplingMask
 from mask_replay.params import compute_dtype, output_dtype, temperature_per_row
 
+# Every int32 id is below this: the bound of the ops that see no logits (losses, padding), where ids
+# are only checked to be >= 0.
+_NO_VOCAB = 2 ** 31
 
-def mask_csr(mask: SamplingMask, n: int, vocab: int, device, op: str):
-    """(token_ids int64, offsets int64, row of each entry) of the mask on `device`, checked against n
-    rows and a vocabulary of `vocab`."""
+
+def check_mask_arrays(mask, op: str) -> None:
+    """The mask's CSR arrays as every op takes them (the compiled kernels' contract and words):
+    token_ids 1-D int32, offsets 1-D int64 of N + 1 >= 1 entries, both holding data. Checked before
+    any value is read, so a malformed mask is one error naming the array, not a torch error from
+    deep inside (a 2-D offsets made `torch.stack` fail; float ids were truncated silently)."""
     if not isinstance(mask, SamplingMask):
         raise TypeError(f"{op}: mask must be a SamplingMask, got {type(mask).__name__}")
+    ids, offsets = mask.token_ids, mask.offsets
+    if ids.dtype != torch.int32 or ids.dim() != 1:
+        raise MaskFormatError(f"{op}: token_ids must be a 1-D int32 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise MaskFormatError(f"{op}: offsets must be a 1-D int64 tensor of N + 1 >= 1 entries, got {offsets.dtype} "
+                              f"{tuple(offsets.shape)}")
+    if torch.compiler.is_compiling():  # traced tensors stand for real ones
+        return
+    for name, t in (("token_ids", ids), ("offsets", offsets)):
+        if t.is_meta:
+            raise MaskFormatError(f"{op}: the mask's {name} is a meta tensor (a shape without values)")
+
+
+def mask_csr(mask: SamplingMask, n: int, vocab: Optional[int], device, op: str):
+    """(token_ids int64, offsets int64, row of each entry) of the mask on `device`, checked against n
+    rows and a vocabulary of `vocab` (None: an op without logits, ids only >= 0). The values are
+    checked in eager mode only (one device read-back): traced by torch.compile, that read-back is
+    a data-dependent branch, so the mask is taken as valid there (validate it once beforehand)."""
+    check_mask_arrays(mask, op)
     if mask.num_rows != n:
         raise ValueError(f"{op}: the mask has {mask.num_rows} rows but there are {n} rows of logits")
-    return device_csr(mask.token_ids, mask.offsets, n, vocab, device, op)
+    if torch.compiler.is_compiling():
+        ids = mask.token_ids.to(device=device, dtype=torch.int64)
+        offsets = mask.offsets.to(device=device, dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(n, device=device), offsets[1:] - offsets[:-1],
+                                       output_size=ids.numel())
+        return ids, offsets, rows
+    if torch.device(device).type == "meta":
+        raise ValueError(f"{op}: the inputs are meta tensors (shapes without values): the mask is checked against "
+                         "their values")
+    if vocab is not None:
+        return device_csr(mask.token_ids, mask.offsets, n, vocab, device, op)
+    try:
+        return device_csr(mask.token_ids, mask.offsets, n, _NO_VOCAB, device, op)
+    except MaskFormatError:  # named without a vocabulary ("a negative id", not "outside [0, 2^31)")
+        check_csr(mask.token_ids.cpu(), mask.offsets.cpu(), source=op)
+        raise
 
 
 def check_head(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{op}: bias must be a tensor [vocab] or None, got {type(bias).__name__}")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
         raise ValueError(f"{op}: hidden must be a 2-D tensor [rows, d]")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:

@@ -30,25 +30,9 @@ from mask_replay.csr import support_log_softmax
 from mask_replay.mask import SamplingMask
 from mask_replay.params import compute_dtype, output_dtype, temperature_per_row
 from mask_replay.trainer.layouts import _check_cu_seqlens, _keep, _position_temperature
-from mask_replay.trainer.sparse_head import check_head, mask_csr, support_logits
+from mask_replay.trainer.sparse_head import check_head, check_mask_arrays, mask_csr, support_logits
 
 __all__ = ["replay_support_logprobs", "replay_support_logprobs_from_hidden", "support_logprobs_padded"]
-
-
-def _csr_for(mask: SamplingMask, n: int, vocab: int, device, op: str):
-    """(ids int64, offsets int64, rows int64) on `device`; the CSR contract is checked (one device
-    read-back) in eager mode only: traced, that read-back is a data-dependent branch (see the module)."""
-    if not isinstance(mask, SamplingMask):
-        raise TypeError(f"{op}: mask must be a SamplingMask, got {type(mask).__name__}")
-    if torch.compiler.is_compiling():
-        if mask.num_rows != n:
-            raise ValueError(f"{op}: the mask has {mask.num_rows} rows but there are {n} rows of logits")
-        ids = mask.token_ids.to(device=device, dtype=torch.int64)
-        offsets = mask.offsets.to(device=device, dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(n, device=device), offsets[1:] - offsets[:-1],
-                                       output_size=ids.numel())
-        return ids, offsets, rows
-    return mask_csr(mask, n, vocab, device, op)
 
 
 def _kept_positions(op, shape, labels, loss_mask, ignore_index, device) -> torch.Tensor:
@@ -98,7 +82,7 @@ def replay_support_logprobs(
     batch = logits.dim() == 3 or labels is not None or loss_mask is not None or cu_seqlens is not None
     if not batch:
         n = logits.shape[0]
-        ids, _, rows = _csr_for(mask, n, vocab, device, op)
+        ids, _, rows = mask_csr(mask, n, vocab, device, op)
         t = temperature_per_row(temperature, n, device, allow_zero=False, op=op,
                                 check_values=not torch.compiler.is_compiling())
         x = logits[rows, ids].to(acc) / t.to(acc)[rows]
@@ -110,10 +94,11 @@ def replay_support_logprobs(
     cu = _check_cu_seqlens(cu_seqlens, shape[0], device) if cu_seqlens is not None else None
     kept = _kept_positions(op, shape, labels, loss_mask, ignore_index, device)
     n = kept.numel()
+    check_mask_arrays(mask, op)  # before its row count is read
     if mask.num_rows != n:
         raise ValueError(f"{op}: the mask has {mask.num_rows} rows but the batch has {n} positions that are not "
                          "ignored (mask.align(...) maps another order)")
-    ids, _, rows = _csr_for(mask, n, vocab, device, op)
+    ids, _, rows = mask_csr(mask, n, vocab, device, op)
     t = _position_temperature(temperature, shape, cu, device).reshape(-1)[kept]
     bad = ~(torch.isfinite(t) & (t > 0))
     if n and bool(bad.any()):
@@ -146,7 +131,7 @@ def replay_support_logprobs_from_hidden(
     n, device = hidden.shape[0], hidden.device
     out = output_dtype(out_dtype, hidden.dtype, op)
     acc = compute_dtype(hidden.dtype)
-    ids, offsets, rows = _csr_for(mask, n, weight.shape[0], device, op)
+    ids, offsets, rows = mask_csr(mask, n, weight.shape[0], device, op)
     t = temperature_per_row(temperature, n, device, allow_zero=False, op=op,
                             check_values=not torch.compiler.is_compiling()).to(acc)
     x = support_logits(hidden, weight, bias, offsets, rows, ids, sparse_grad=sparse_grad) / t[rows]
@@ -172,22 +157,24 @@ def support_logprobs_padded(
     probability 0 in any sum over slots); prime-rl's sampling_mask_logprobs pads with 0 instead:
     pass fill=0.0 for a loss written against that layout, and mask its padding yourself."""
     op = "support_logprobs_padded"
-    if not isinstance(mask, SamplingMask):
-        raise TypeError(f"{op}: mask must be a SamplingMask, got {type(mask).__name__}")
+    check_mask_arrays(mask, op)
+    for name, t in (("labels", labels), ("loss_mask", loss_mask)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        raise TypeError(f"{op}: fill must be a number, got {type(fill).__name__}")
     if isinstance(values, torch.Tensor) and not values.is_floating_point():
         raise ValueError(f"{op}: values must be a floating tensor (log-probs), got {values.dtype}")
     if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.numel() != mask.nnz:
         got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
         raise ValueError(f"{op}: values must be [nnz] = [{mask.nnz}] (one per support entry), got {got}")
-    device = values.device
-    offsets = mask.offsets.to(device=device, dtype=torch.int64)
+    device, n = values.device, mask.num_rows
+    _, offsets, rows = mask_csr(mask, n, None, device, op)  # a malformed CSR: one error naming the row
     lengths = offsets[1:] - offsets[:-1]
-    n = mask.num_rows
     widest = int(lengths.max()) if n else 0
     width = widest if width is None else width
     if isinstance(width, bool) or not isinstance(width, int) or width < widest:
         raise ValueError(f"{op}: width must be an integer >= the widest row ({widest}), got {width!r}")
-    rows = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=mask.nnz)
     slots = torch.arange(mask.nnz, device=device) - offsets[rows]
     if labels is None and loss_mask is None:
         out = values.new_full((n, width), fill)

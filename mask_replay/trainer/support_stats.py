@@ -132,6 +132,8 @@ def support_kl_from_hidden(hidden_p, weight_p, hidden_q, weight_q, mask, tempera
     """support_kl of the policy head (hidden_p, weight_p, bias_p) against the reference head
     (hidden_q, weight_q, bias_q), O(nnz x d), never forming [N, V] logits."""
     op = "support_kl_from_hidden"
+    check_head(op + " (policy)", hidden_p, weight_p, bias_p)  # first: the comparisons below read their shapes
+    check_head(op + " (reference)", hidden_q, weight_q, bias_q)
     if hidden_p.shape[0] != hidden_q.shape[0]:
         raise ValueError(f"{op}: hidden_p has {hidden_p.shape[0]} rows but hidden_q has {hidden_q.shape[0]}")
     if weight_p.shape[0] != weight_q.shape[0]:

@@ -27,6 +27,7 @@ from mask_replay.mask import SamplingMask
 from mask_replay.params import FLOAT_DTYPES, temperature_per_row
 from mask_replay.trainer.collectives import copy_to_group, gather_rows
 from mask_replay.trainer.replay import Temperature, _sampled
+from mask_replay.trainer.sparse_head import check_mask_arrays, mask_csr
 
 
 def replay_logprobs_vocab_parallel(
@@ -58,8 +59,8 @@ def replay_logprobs_vocab_parallel(
     def dense(rows):
         return logits_shard[rows].to(acc)
 
-    return _replay(n, vp, logits_shard.device, acc, entries, dense, mask, sampled, vocab_start, group,
-                   temperature, fallback, return_status)
+    return _replay("replay_logprobs_vocab_parallel", n, vp, logits_shard.device, acc, entries, dense, mask, sampled,
+                   vocab_start, group, temperature, fallback, return_status)
 
 
 def replay_logprobs_vocab_parallel_from_hidden(
@@ -111,8 +112,8 @@ def replay_logprobs_vocab_parallel_from_hidden(
         z = h[rows].to(acc) @ weight_shard.to(acc).T
         return z + bias_shard.to(acc) if bias_shard is not None else z
 
-    return _replay(n, vp, hidden.device, acc, entries, dense, mask, sampled, vocab_start, group,
-                   temperature, fallback, return_status)
+    return _replay("replay_logprobs_vocab_parallel_from_hidden", n, vp, hidden.device, acc, entries, dense, mask,
+                   sampled, vocab_start, group, temperature, fallback, return_status)
 
 
 def _check_matrix(t, name):
@@ -123,25 +124,22 @@ def _check_matrix(t, name):
         raise ValueError(f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
 
 
-def _replay(n: int, vp: int, device, acc, entries: Callable, dense: Callable, mask, sampled, vocab_start,
+def _replay(op: str, n: int, vp: int, device, acc, entries: Callable, dense: Callable, mask, sampled, vocab_start,
             group, temperature, fallback, return_status):
-    if not isinstance(mask, SamplingMask):
-        raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
+    check_mask_arrays(mask, op)  # before its row count is read
     if mask.num_rows != n:
         raise ValueError(f"mask has {mask.num_rows} rows but the shard has {n}")
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
+    # the whole CSR contract but the vocabulary (each rank holds a shard of it; _check_layout checks that)
+    ids, offsets, rows = mask_csr(mask, n, None, device, op)
+    lengths = offsets[1:] - offsets[:-1]
     y = _sampled(sampled, mask, n, device)
     t = temperature_per_row(temperature, n, device, allow_zero=False)
     bad_t = torch.nonzero(~(torch.isfinite(t) & (t > 0))).flatten()
     if bad_t.numel():
         r = int(bad_t[0])
         raise ValueError(f"temperature must be finite and > 0, row {r} has {float(t[r])}")
-    ids = mask.token_ids.to(device=device, dtype=torch.int64)
-    offsets = mask.offsets.to(device)
-    lengths = offsets[1:] - offsets[:-1]
-    rows = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=ids.numel())
-    _check_ascending(ids, rows)
     temp = t.to(acc)
 
     # ---- this rank's share: support ids inside [vocab_start, vocab_start + vp) ----------------
@@ -191,12 +189,6 @@ def _replay(n: int, vp: int, device, acc, entries: Callable, dense: Callable, ma
     return (out, status) if return_status else out
 
 
-def _check_ascending(ids, rows):
-    bad = torch.nonzero((rows[1:] == rows[:-1]) & (ids[1:] <= ids[:-1])).flatten()
-    if bad.numel():
-        raise ValueError(f"mask: token_ids of row {int(rows[int(bad[0]) + 1])} are not strictly ascending")
-
-
 def _check_layout(held, lengths, owners, y, vocab_start, vp):
     """Every support id and every sampled token must lie in exactly one rank's shard."""
     bad = torch.nonzero(held != lengths.double()).flatten()
@@ -237,8 +229,8 @@ def replay_support_logprobs_vocab_parallel(
     _check_matrix(logits_shard, "logits_shard")
     n, vp = logits_shard.shape
     acc = torch.float64 if logits_shard.dtype == torch.float64 else torch.float32
-    return _support(n, vp, logits_shard.device, acc, lambda rows, cols: logits_shard[rows, cols].to(acc), mask,
-                    vocab_start, group, temperature)
+    return _support("replay_support_logprobs_vocab_parallel", n, vp, logits_shard.device, acc,
+                    lambda rows, cols: logits_shard[rows, cols].to(acc), mask, vocab_start, group, temperature)
 
 
 def replay_support_logprobs_vocab_parallel_from_hidden(
@@ -265,23 +257,20 @@ def replay_support_logprobs_vocab_parallel_from_hidden(
     def entries(rows, cols):
         return (h[rows].to(acc) * weight_shard[cols].to(acc)).sum(-1)
 
-    return _support(n, vp, hidden.device, acc, entries, mask, vocab_start, group, temperature)
+    return _support("replay_support_logprobs_vocab_parallel_from_hidden", n, vp, hidden.device, acc, entries, mask,
+                    vocab_start, group, temperature)
 
 
-def _support(n, vp, device, acc, entries: Callable, mask, vocab_start, group, temperature):
-    if not isinstance(mask, SamplingMask):
-        raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
+def _support(op: str, n, vp, device, acc, entries: Callable, mask, vocab_start, group, temperature):
+    check_mask_arrays(mask, op)  # before its row count is read
     if mask.num_rows != n:
         raise ValueError(f"mask has {mask.num_rows} rows but the shard has {n}")
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
-    t = temperature_per_row(temperature, n, device, allow_zero=False, check_values=True).to(acc)
-    ids = mask.token_ids.to(device=device, dtype=torch.int64)
-    offsets = mask.offsets.to(device)
+    ids, offsets, rows = mask_csr(mask, n, None, device, op)  # as in _replay
     lengths = offsets[1:] - offsets[:-1]
     nnz = ids.numel()
-    rows = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=nnz)
-    _check_ascending(ids, rows)
+    t = temperature_per_row(temperature, n, device, allow_zero=False, check_values=True).to(acc)
     mine = (ids >= vocab_start) & (ids < vocab_start + vp)
     where = torch.nonzero(mine)[:, 0]
     x_mine = (entries(rows[where], ids[where] - vocab_start) / t[rows[where]]).double()

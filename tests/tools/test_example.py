@@ -54,6 +54,24 @@ def test_example_refuses_a_file_as_out_folder(tmp_path):
     assert f.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 65)])
+def test_example_seed_out_of_range_is_refused_when_parsed(monkeypatch, tmp_path, seed):
+    """torch.manual_seed takes nothing outside [0, 2**64 - 1] (the bound experiment's --seed has,
+    cli/common.SEED): refused by the parser, before the model is looked for and --out is created."""
+    from mask_replay.cli import example as cli_example
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the example started with a bad --seed")
+
+    monkeypatch.setattr(cli_example, "run_example", no_model)
+    out = tmp_path / "o"
+    res = CliRunner().invoke(main, ["example", "--out", str(out), "--seed", seed])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mask-replay: error: ") and "--seed" in lines[0], res.output
+    assert seed in lines[0] and not out.exists()
+
+
 def test_example_names_the_missing_wheel(monkeypatch, tmp_path):
     import importlib.metadata as md
 

@@ -1,0 +1,235 @@
+"""Hand-crafted hostile mask files (issue 30): a header that names a key twice, declares shapes that
+lie (a per-row key of GBs in a 24-row file), or keys of the wrong dtype / shape, and files that are
+folders, empty or unopenable. SamplingMask.load, MaskFile (what score reads), `inspect` and `score`
+each refuse them with one error naming the file and the key, the header checked before anything
+is read, and nothing written. (Offsets, ids and row values are covered in tests/cli/test_errors.py,
+tests/tools/test_impossible_values.py and tests/tools/test_entry_logprobs.py.)"""
+import json
+import os
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mask_replay import SamplingMask
+from mask_replay.errors import DumpError
+from mask_replay.files.dumps import Dump
+from mask_replay.files.mask_file import MaskFile
+from tests.helpers import V, assert_one_line_error, rollout_tensors, run, write
+
+CODES = {torch.float32: "F32", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
+
+
+@pytest.fixture
+def base(tmp_path):
+    """(tensors, metadata) of a captured mask file with entry_logprobs, and the training dump to score it."""
+    rollout = write(tmp_path / "r.safetensors", rollout_tensors())
+    write(tmp_path / "train.safetensors", {"logits": rollout_tensors()["logits"]})
+    assert run("capture", rollout, "-o", tmp_path / "m.safetensors", "--entry-logprobs").exit_code == 0
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+
+
+def safetensors_bytes(tensors, metadata, *, extra=None, text=None):
+    """A safetensors file written by hand: `extra` {key: (code, shape, nbytes)} are entries declared
+    after the real data with no bytes behind them (the file is extended sparse to match); `text`
+    rewrites the JSON header (to repeat a key, which no JSON writer does)."""
+    header, blobs, pos = {"__metadata__": dict(metadata)}, [], 0
+    for k, v in tensors.items():
+        b = v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b""
+        header[k] = {"dtype": CODES[v.dtype], "shape": list(v.shape), "data_offsets": [pos, pos + len(b)]}
+        blobs.append(b)
+        pos += len(b)
+    for k, (code, shape, nbytes) in (extra or {}).items():
+        header[k] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    raw = json.dumps(header).encode()
+    if text is not None:
+        raw = text(raw.decode()).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + b"".join(blobs), 8 + len(raw) + pos
+
+
+def hostile(path, tensors, metadata, **kw):
+    data, size = safetensors_bytes(tensors, metadata, **kw)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.truncate(size)  # sparse: a declared GB costs no disk
+    return str(path)
+
+
+def repeat(key, entry):
+    """Header text with `key` named once more, first, holding `entry`."""
+    return lambda text: text.replace(f'"{key}":', f'"{key}": {json.dumps(entry)}, "{key}":', 1)
+
+
+def with_key(tensors, key, value):
+    out = dict(tensors)
+    if value is None:
+        out.pop(key, None)
+    else:
+        out[key] = value
+    return out
+
+
+def refused_everywhere(tmp_path, path, *needles, cls=DumpError, score_needles=None):
+    """load, MaskFile, inspect and score all refuse `path` with `needles` (score with `score_needles`
+    when given); score's --json is untouched."""
+    with pytest.raises(cls) as info:
+        SamplingMask.load(path)
+    assert all(n in str(info.value) for n in needles), str(info.value)
+    with pytest.raises(cls) as info:
+        with MaskFile(path) as mf:
+            mf.rows(0, mf.num_rows, V)
+    assert all(n in str(info.value) for n in needles), str(info.value)
+    assert_one_line_error(run("inspect", path), *needles)
+    report = tmp_path / "score.json"
+    report.write_text("earlier report")
+    result = run("score", "--masks", path, "--training", tmp_path / "train.safetensors", "--json", report)
+    assert_one_line_error(result, *(needles if score_needles is None else score_needles))
+    assert report.read_text() == "earlier report"
+
+
+# ---- a key named twice: readers disagree on which one counts ------------------------------------
+@pytest.mark.parametrize("key, entry", [
+    ("offsets", {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}),
+    ("entry_logprobs", {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}),
+    ("__metadata__", {"vocab_size": "5"}),
+    ("semantics", "other"),  # inside __metadata__
+    ("dtype", "I64"),  # inside an entry
+])
+def test_a_header_naming_a_key_twice_is_refused(tmp_path, base, key, entry):
+    tensors, meta = base
+    path = hostile(tmp_path / "dup.safetensors", tensors, meta, text=repeat(key, entry))
+    refused_everywhere(tmp_path, path, "dup.safetensors", f"names '{key}' twice")
+
+
+def test_the_reference_reader_keeps_the_last_of_two_entries(tmp_path, base):
+    """Why the check exists: the same bytes are read as a different mask once a repeated entry is
+    accepted (here an empty entry_logprobs first: the reference reader silently keeps the last)."""
+    tensors, meta = base
+    path = hostile(tmp_path / "dup.safetensors", tensors, meta,
+                   text=repeat("entry_logprobs", {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}))
+    with safe_open(path, framework="pt") as f:
+        assert f.get_tensor("entry_logprobs").shape == tensors["entry_logprobs"].shape
+
+
+# ---- shapes that lie: refused from the header, before a byte of the key is read -----------------
+@pytest.mark.parametrize("key, code, elements", [
+    ("kept_mass", "F32", 1 << 28),  # 1 GiB declared for a 24-row file
+    ("step", "I64", 1 << 27),
+    ("notes", "F32", 1 << 28),  # an extra per-row key of no documented name
+    ("entry_logprobs", "F32", 1 << 28),
+])
+def test_a_per_row_key_declaring_gigabytes_is_refused_before_it_is_read(tmp_path, base, monkeypatch, key, code,
+                                                                        elements):
+    tensors, meta = base
+    path = hostile(tmp_path / "big.safetensors", with_key(tensors, key, None), meta,
+                   extra={key: (code, [elements], elements * (4 if code == "F32" else 8))})
+    real_get = Dump.get
+
+    def get(self, k, *args, **kwargs):  # the refusal must come from the header, not after reading it
+        assert k != key, f"{k} was read before its shape was checked"
+        return real_get(self, k, *args, **kwargs)
+
+    monkeypatch.setattr(Dump, "get", get)
+    refused_everywhere(tmp_path, path, "big.safetensors", key, str(elements))
+
+
+# ---- keys of the wrong dtype or shape: the same words from every reader ------------------------
+@pytest.mark.parametrize("key, value, needle", [
+    ("token_ids", lambda t: t.long(), "key 'token_ids': must be a 1-D int32 tensor, got int64"),
+    ("token_ids", lambda t: t.float(), "key 'token_ids': must be a 1-D int32 tensor, got float32"),
+    ("token_ids", lambda t: t[None], "key 'token_ids': must be a 1-D int32 tensor, got int32 [1, "),
+    ("offsets", lambda t: t.int(), "key 'offsets': must be a 1-D int64 tensor"),
+    ("entry_logprobs", lambda t: t[:, None], "key 'entry_logprobs': must be a 1-D float tensor of"),
+    ("entry_logprobs", lambda t: t[:-1], "key 'entry_logprobs': must be a 1-D float tensor of"),
+    ("entry_logprobs", lambda t: t.long(), "key 'entry_logprobs': must be a float tensor, got int64"),
+    ("kept_mass", lambda t: t[:, None], "kept_mass must have shape [24], got (24, 1)"),
+    ("step", lambda t: t[:-1], "step must have shape [24], got (23,)"),
+    ("sampled", lambda t: t.float(), "key 'sampled': must be an integer tensor, got float32"),
+])
+def test_keys_of_the_wrong_dtype_or_shape(tmp_path, base, key, value, needle):
+    tensors, meta = base
+    path = hostile(tmp_path / "bad.safetensors", with_key(tensors, key, value(tensors[key])), meta)
+    refused_everywhere(tmp_path, path, "bad.safetensors", needle, cls=DumpError)
+
+
+@pytest.mark.parametrize("key", ["token_ids", "offsets"])
+def test_a_mask_file_missing_its_ids_or_offsets(tmp_path, base, key):
+    tensors, meta = base
+    path = hostile(tmp_path / "half.safetensors", with_key(tensors, key, None), meta)
+    refused_everywhere(tmp_path, path, "half.safetensors", f"missing key '{key}' (is this a mask file?)",
+                       cls=DumpError)
+
+
+# ---- a header whose byte ranges lie about the data behind them ----------------------------------
+def _shift(key, by):
+    def patch(text):
+        header = json.loads(text)
+        header[key]["data_offsets"] = [o + by for o in header[key]["data_offsets"]]
+        return json.dumps(header)
+    return patch
+
+
+def _onto(key, other):
+    def patch(text):
+        header = json.loads(text)
+        header[key]["data_offsets"] = header[other]["data_offsets"]
+        return json.dumps(header)
+    return patch
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("entry_logprobs past the end", "overlap or leave a gap"),
+    ("entry_logprobs over token_ids", "overlap or leave a gap"),
+    ("truncated by 3 bytes", "the header says"),
+])
+def test_byte_ranges_that_lie(tmp_path, base, damage, needle):
+    tensors, meta = base
+    path = tmp_path / "lie.safetensors"
+    if damage == "entry_logprobs past the end":
+        hostile(path, tensors, meta, text=_shift("entry_logprobs", 1 << 20))
+    elif damage == "entry_logprobs over token_ids":
+        hostile(path, tensors, meta, text=_onto("entry_logprobs", "token_ids"))
+    else:
+        data, _ = safetensors_bytes(tensors, meta)
+        path.write_bytes(data[:-3])
+    refused_everywhere(tmp_path, str(path), "lie.safetensors", needle)
+
+
+# ---- not a file one can read ---------------------------------------------------------------------
+def test_a_folder_an_empty_file_and_an_unopenable_file(tmp_path, base, monkeypatch):
+    (tmp_path / "dir.safetensors").mkdir()
+    # score hashes its inputs first (files/identity.py), which says it in the OS's words
+    refused_everywhere(tmp_path, str(tmp_path / "dir.safetensors"), "dir.safetensors", "is a folder",
+                       score_needles=("dir.safetensors", "Is a directory"))
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    refused_everywhere(tmp_path, str(tmp_path / "empty.safetensors"), "empty.safetensors", "too short")
+    path = write(tmp_path / "locked.safetensors", base[0])
+    real_open = os.open
+
+    def denied(p, *args, **kwargs):  # the suite may run as root, where chmod 000 still reads
+        if os.fspath(p) == path:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(DumpError, match="locked.safetensors: cannot be opened"):
+        SamplingMask.load(path)
+    with pytest.raises(DumpError, match="locked.safetensors.*Permission denied"):
+        MaskFile(path)
+    assert_one_line_error(run("inspect", path), "locked.safetensors", "Permission denied")
+
+
+def test_a_valid_file_with_entry_logprobs_still_reads_everywhere(tmp_path, base):
+    tensors, meta = base
+    path = hostile(tmp_path / "ok.safetensors", tensors, meta)
+    mask = SamplingMask.load(path)
+    assert torch.equal(mask.entry_logprobs, tensors["entry_logprobs"])
+    with MaskFile(path) as mf:
+        rows = mf.rows(0, mf.num_rows, V)
+        assert torch.equal(rows.token_ids, mask.token_ids) and torch.equal(rows.entry_logprobs, mask.entry_logprobs)
+    assert run("inspect", path).exit_code == 0
+    assert run("score", "--masks", path, "--training", tmp_path / "train.safetensors").exit_code == 0
