@@ -80,8 +80,8 @@ class Dump:
         self._npy = {}  # key -> (ZipInfo, numpy dtype, fortran order, offset of the data in the member)
         self._open_members = {}
         self._row_major = {}  # .npz Fortran-ordered member -> (temp file, its C-ordered np.memmap)
-        self._map = None  # safetensors: private map for get(..., stream=True)
-        self._mapped = {}  # key -> byte range of the last chunk handed out from the map
+        self._streamable = False  # safetensors with data: get(..., stream=True) maps chunks
+        self._mapped = {}  # key -> the private map of the last chunk handed out
         self._tensors = None  # .pt: dict of tensors
         self.metadata: dict = {}
         try:
@@ -102,9 +102,7 @@ class Dump:
     def _open_safetensors(self):
         self._fd = os.open(self.path, os.O_RDONLY)
         self._header = Header(self.path, self._fd)
-        # ACCESS_COPY: a writable (for torch.frombuffer) private map; nothing writes to it, so its
-        # pages stay the page cache's and MADV_DONTNEED just unmaps them (a later read refaults).
-        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if os.fstat(self._fd).st_size else None
+        self._streamable = os.fstat(self._fd).st_size > 0
         self.metadata = dict(self._header.metadata)
         self._shapes = {k: v[1] for k, v in self._header.tensors.items()}
         self._dtypes = {k: v[0] for k, v in self._header.tensors.items()}
@@ -236,7 +234,7 @@ class Dump:
         whole = start is None and stop is None
         try:
             if self._header is not None:
-                if stream and self._map is not None and not whole:
+                if stream and self._streamable and not whole:
                     return self._mapped_rows(key, start, stop)
                 return pread_rows(self._fd, self._header, key, start, stop)
             if self._zip is not None:
@@ -256,30 +254,37 @@ class Dump:
         row_bytes = math.prod(shape[1:]) * item
         a = self._header.data_start + begin + lo * row_bytes
         self._release(key)
-        self._mapped[key] = (a, (hi - lo) * row_bytes)
         out_shape = (hi - lo,) + tuple(shape[1:])
         if hi == lo:
             return torch.empty(out_shape, dtype=dtype)
         if a % item:  # a file whose writer did not align the data: copy instead
             return pread_rows(self._fd, self._header, key, start, stop)
-        return torch.frombuffer(self._map, dtype=dtype, count=(hi - lo) * row_bytes // item, offset=a).view(out_shape)
+        # one private (ACCESS_COPY: writable, for torch.frombuffer) map per chunk, not one of the whole
+        # file: a private writable map is charged to the commit limit at its full length, so with
+        # Linux's default overcommit a whole-file map of a dump larger than RAM + swap fails (ENOMEM).
+        # Nothing writes to it, so its pages stay the page cache's.
+        first = a - a % mmap.ALLOCATIONGRANULARITY
+        n = (hi - lo) * row_bytes
+        chunk = mmap.mmap(self._fd, a + n - first, access=mmap.ACCESS_COPY, offset=first)
+        self._mapped[key] = chunk
+        return torch.frombuffer(chunk, dtype=dtype, count=n // item, offset=a - first).view(out_shape)
 
     def _release(self, key) -> None:
         """Drop the pages of the last chunk handed out for `key` from this process's memory."""
 
-        a, n = self._mapped.pop(key, (0, 0))
-        if n and hasattr(self._map, "madvise"):
-            first = a - a % mmap.PAGESIZE
-            self._map.madvise(mmap.MADV_DONTNEED, first, a + n - first)
+        chunk = self._mapped.pop(key, None)
+        if chunk is None:
+            return
+        if hasattr(chunk, "madvise"):  # a tensor still viewing it refaults from the file
+            chunk.madvise(mmap.MADV_DONTNEED)
+        try:
+            chunk.close()
+        except BufferError:  # a tensor handed out still views it: the map goes with that tensor
+            pass
 
     def close(self):
-        if self._map is not None:
-            for key in list(self._mapped):
-                self._release(key)
-            try:
-                self._map.close()
-            except BufferError:  # a chunk handed out is still alive: it keeps the map open itself
-                pass
+        for key in list(self._mapped):
+            self._release(key)
         if self._fd is not None:
             os.close(self._fd)
         for f in self._open_members.values():
@@ -289,7 +294,8 @@ class Dump:
         self._row_major = {}
         if self._zip is not None:
             self._zip.close()
-        self._fd = self._header = self._zip = self._tensors = self._map = None
+        self._fd = self._header = self._zip = self._tensors = None
+        self._streamable = False
         self._open_members, self._mapped = {}, {}
 
     def __enter__(self):
