@@ -9,6 +9,7 @@ import torch
 
 from mask_replay.errors import InputError
 from mask_replay.tools.experiment_trl import TrlExperimentConfig, _earlier_runs, batch_stats, task_reward
+from mask_replay.tools.experiment_trl_plots import plot_runs
 
 
 def test_batch_stats_match_a_float64_reference():
@@ -56,3 +57,18 @@ def test_an_earlier_run_of_the_same_config_is_kept(tmp_path):
     assert _earlier_runs(str(path), cfg) == {"no_replay": {"steps": []}}
     assert _earlier_runs(str(path), TrlExperimentConfig(runs=("replay",), steps=3)) == {}
     assert _earlier_runs(str(tmp_path / "missing.json"), cfg) == {}
+
+
+def test_the_figure_draws_only_the_panels_with_values(tmp_path):
+    """transformers generation: no engine log-probs, so no IS ratio / difference / KL panels (they
+    were drawn empty); vLLM: all five."""
+    step = {"step": 0, "reward": 0.2, "is_ratio_mean": None, "logp_diff_mean": None, "kl_k3": None}
+    runs = {"no_replay": {"steps": [dict(step)]},
+            "replay": {"steps": [dict(step, **{"replay/kept_mass/mean": 0.93})]}}
+    path = tmp_path / "t.png"
+    assert plot_runs(runs, path, "t") == ["reward", "replay/kept_mass/mean"]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    full = dict(step, is_ratio_mean=0.4, is_ratio_min=0.2, is_ratio_max=0.6, logp_diff_mean=-0.07, kl_k3=3e-3)
+    runs["no_replay"]["steps"] = [full]
+    assert plot_runs(runs, path, "t") == ["is_ratio_mean", "logp_diff_mean", "kl_k3", "reward",
+                                          "replay/kept_mass/mean"]
