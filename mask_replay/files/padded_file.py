@@ -168,6 +168,16 @@ def _write_chunk(writer, m: SamplingMask, row0: int, done: int) -> None:
             writer.write_rows(k, row0, v)
 
 
+def _width(offsets: torch.Tensor, width: Optional[int]) -> int:
+    """to_padded's width checks, from a mask file's offsets (its row lengths freed on return)."""
+    lengths = offsets[1:] - offsets[:-1]
+    width = padded_width(int(lengths.max()) if lengths.numel() else 0, width)
+    wide = torch.nonzero(lengths > width)
+    if wide.numel():
+        raise wider_row(int(wide[0]), int(lengths[int(wide[0])]), width)
+    return width
+
+
 def mask_file_to_padded(path, output, width: Optional[int] = None, *, vocab_size: Optional[int] = None,
                         chunk_rows: Optional[int] = None, each: Each = None) -> None:
     """The padded file of mask file `path`, written to `output` atomically chunk by chunk: the bytes
@@ -176,11 +186,7 @@ def mask_file_to_padded(path, output, width: Optional[int] = None, *, vocab_size
     ValueError naming the row, before anything is written. `each` is called with every chunk's mask."""
     with MaskFile(os.fspath(path)) as mf:
         n = mf.num_rows
-        lengths = mf.offsets[1:] - mf.offsets[:-1]
-        width = padded_width(int(lengths.max()) if n else 0, width)
-        wide = torch.nonzero(lengths > width)
-        if wide.numel():
-            raise wider_row(int(wide[0]), int(lengths[int(wide[0])]), width)
+        width = _width(mf.offsets, width)
         named = {k: getattr(mf, k) for k in ("sampled", "logprobs", "kept_mass") if getattr(mf, k) is not None}
         per_row = {**named, **mf.extras}  # MaskFile holds these whole (a few bytes a row)
         out = {k: (v.dtype, (n,)) for k, v in per_row.items()}
@@ -195,7 +201,8 @@ def mask_file_to_padded(path, output, width: Optional[int] = None, *, vocab_size
             for a in _starts(n, step):
                 b = min(n, a + step)
                 sub = mf.rows(a, b, vocab_size)
-                chunk = SamplingMask(sub.token_ids, sub.offsets, entry_logprobs=sub.entry_logprobs,
+                # its ids are a view of MaskFile's map, unmapped at close: `each` may keep the chunk
+                chunk = SamplingMask(sub.token_ids.clone(), sub.offsets, entry_logprobs=sub.entry_logprobs,
                                      extras={k: v[a:b] for k, v in mf.extras.items()},
                                      **{k: v[a:b] for k, v in named.items()})
                 ids, counts, *lp = to_padded(chunk, width)
