@@ -13,7 +13,7 @@ import torch
 from mask_replay.errors import EngineOutputError
 from mask_replay.mask import SamplingMask, adapter
 from mask_replay.params import INT_DTYPES
-from mask_replay.sampler.adapters.common import INT32_LIMIT
+from mask_replay.sampler.adapters.common import _OUT_OF_RANGE, INT32_LIMIT
 
 PAD = -1
 
@@ -100,7 +100,15 @@ def mask_from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Op
     token_ids = keyed[valid].to(torch.int32)  # valid slots are each row's prefix, so order holds
     entries = None
     if entry_logprobs is not None:
-        entries = entry_logprobs.to(ids.device).gather(1, perm)[valid].to(torch.float32)
+        entries = entry_logprobs.to(ids.device).gather(1, perm)[valid]
+        # a float64 value beyond float32 would become +-inf silently (-1e300 a probability 0): refused,
+        # as the JSON adapters refuse it
+        wide = torch.nonzero(torch.isfinite(entries) & torch.isinf(entries.to(torch.float32)))
+        if wide.numel():
+            i = int(wide[0])
+            raise EngineOutputError(f"{source}: row {{row}}: entry log-prob {float(entries[i]):g} {_OUT_OF_RANGE}",
+                                    row=int(torch.nonzero(valid)[i, 0]))
+        entries = entries.to(torch.float32)
     offsets = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     sampled = extras.get("sampled")
