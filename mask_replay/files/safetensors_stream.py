@@ -168,14 +168,17 @@ class StreamWriter:
         """Rows [row0, row0 + len(t)) of head tensor `name`."""
         self._write_rows_at(self._place[name], name, row0, t)
 
-    def write_tail_rows(self, name: str, row0: int, t: torch.Tensor) -> None:
-        """Rows [row0, row0 + len(t)) of tail tensor `name`, before finish(), in a writer without
-        growing tensors: there the tail's place is known from the start, once every tensor of
-        tail_room is taken as present (and finish() is then given no tail)."""
+    def _fix_tail(self) -> None:
+        """Every tensor of tail_room present, at a place known from the start (no growing tensor):
+        then write_tail_rows writes them before finish(), which is given no tail."""
         if self.growing is not None or self.spooled is not None:
-            raise ValueError("safetensors: tail rows are written before finish() only without a growing tensor")
+            raise ValueError("safetensors: a fixed tail needs a file without growing tensors")
+        self._tail_place = {e[0]: e[1:] for e in self._entries(0, self.tail_room) if e[0] in self.tail_room}
+
+    def write_tail_rows(self, name: str, row0: int, t: torch.Tensor) -> None:
+        """Rows [row0, row0 + len(t)) of tail tensor `name` of a fixed_writer file."""
         if self._tail_place is None:
-            self._tail_place = {e[0]: e[1:] for e in self._entries(0, self.tail_room) if e[0] in self.tail_room}
+            raise ValueError("safetensors: tail rows are written before finish() only in a fixed_writer file")
         self._write_rows_at(self._tail_place[name], name, row0, t)
 
     def _write_rows_at(self, place, name: str, row0: int, t: torch.Tensor) -> None:
@@ -224,9 +227,9 @@ class StreamWriter:
         tail = {k: v.detach().cpu().contiguous() for k, v in (tail or {}).items()}
         for name, t in tail.items():
             if name not in self.tail_room or self._tail_place is not None:
-                raise ValueError(f"safetensors: no room reserved for tail tensor '{name}'")
+                raise ValueError(f"safetensors: no room reserved for tail tensor '{name}' at finish()")
         shapes = {k: (v.dtype, tuple(v.shape)) for k, v in tail.items()}
-        if self._tail_place is not None:  # written row by row already, in place
+        if self._tail_place is not None:  # a fixed tail: every tensor present, written in place already
             shapes = {k: (dt, sh) for k, (dt, sh, _, _) in self._tail_place.items()}
         entries = self._entries(self._grown, shapes, self._spooled)
         for name, dtype, shape, start, end in entries:
@@ -250,18 +253,21 @@ def fixed_writer(f, specs: dict, metadata: Optional[dict] = None) -> StreamWrite
     the tail): written chunk by chunk with write_rows / write_tail_rows, the file has the bytes
     save() gives the same tensors."""
     small = {k: v for k, v in specs.items() if _size(v[0]) < 4}
-    return StreamWriter(f, {k: v for k, v in specs.items() if k not in small}, tail_room=small, metadata=metadata)
+    w = StreamWriter(f, {k: v for k, v in specs.items() if k not in small}, tail_room=small, metadata=metadata)
+    w._fix_tail()
+    return w
 
 
 def write_file(f, tensors: dict, metadata: Optional[dict] = None) -> None:
     """All of `tensors` into the open binary file `f`, in the stable layout of StreamWriter."""
     tensors = {str(k): v.detach().cpu().contiguous() for k, v in tensors.items()}
-    small = {k: v for k, v in tensors.items() if v.element_size() < 4}
     w = fixed_writer(f, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, metadata)
     for k, v in tensors.items():
-        if k not in small:
+        if k in w.tail_room:
+            w.write_tail_rows(k, 0, v)
+        else:
             w.write(k, v)
-    w.finish(small)
+    w.finish()
 
 
 def save(path, tensors: dict, metadata: Optional[dict] = None) -> None:

@@ -138,7 +138,7 @@ def _padded_case(case):
         lp[ROW, 0] = float("inf")
     elif case == "entry not normalised":
         lp[ROW, :k] -= 1.0
-    elif case == "entry -1e300":  # float64 -1e300 is -inf in float32: every entry of the row probability 0
+    elif case == "entry -1e300":  # finite in float64, -inf in float32: refused, not made probability 0
         lp = lp.double()
         lp[ROW, :k] = -1e300
     elif case == "kept_mass":

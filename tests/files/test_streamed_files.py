@@ -76,6 +76,23 @@ def test_streamed_file_equals_the_whole(tmp_path_factory, chunks, flag):
     assert ("flag" in back) == flag
 
 
+@given(tensors=tensor_dicts(), step=st.integers(1, 4), meta=st.dictionaries(st.text(max_size=5), st.text(max_size=5),
+                                                                             max_size=3))
+def test_fixed_writer_by_rows_gives_the_bytes_of_save(tmp_path_factory, tensors, step, meta):
+    """fixed_writer (what the chunked convert writes with): every tensor written `step` rows at a
+    time, head and tail alike, in any order of the rows; the file is save()'s, byte for byte."""
+    tensors = {k: (v if v.dim() else v.reshape(1)) for k, v in tensors.items()}  # rows need a first dimension
+    folder = tmp_path_factory.mktemp("f")
+    safetensors_stream.save(folder / "whole.safetensors", tensors, meta)
+    with open(folder / "rows.safetensors", "w+b") as f:
+        w = safetensors_stream.fixed_writer(f, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, meta)
+        for k, v in tensors.items():
+            for a in reversed(range(0, len(v), step)):
+                (w.write_tail_rows if k in w.tail_room else w.write_rows)(k, a, v[a:a + step])
+        w.finish()
+    assert (folder / "rows.safetensors").read_bytes() == (folder / "whole.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("damage", ["gap", "overlap", "short", "long", "shape"])
 def test_reader_refuses_malformed_headers(tmp_path, damage):
     def file_with(entries, data_len):
