@@ -4,11 +4,11 @@ file and a padded file of about `--mb` MB each (rows of 1 to 16 ids out of 15193
 log-probs, `sampled` and `logprobs`), then runs, each alone in a child process,
 `convert P --from padded --to mask` and `convert M --from mask --to padded`; a run's peak RSS is the
 child's ru_maxrss (the wrapper of bench_score_memory.py), the baseline the same wrapper around
-`python -c "import mask_replay.tools.convert"`. `--repo` names the checkout whose package the
-children run (default: this one), so that two checkouts are measured on the same files. Every file
-made is deleted at the end.
+`python -c "import mask_replay.tools.convert"`. `--repo` names the checkouts whose package the
+children run (default: this one), each measured on the same files (before / after a change). Every
+file made is deleted at the end.
 
-    python benchmarks/bench_convert_memory.py --mb 180 [--repo /work/main] [--dir /tmp] [--reps 1]
+    python benchmarks/bench_convert_memory.py --mb 180 [--repo /work/main .] [--dir /tmp] [--reps 1]
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def make_mask(rows: int, seed: int = 0) -> SamplingMask:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=180.0, help="size of each input file, MB")
-    ap.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--repo", nargs="+", default=[os.path.dirname(os.path.dirname(os.path.abspath(__file__)))])
     ap.add_argument("--dir", default=None)
     ap.add_argument("--reps", type=int, default=1, help="runs of each command (median)")
     args = ap.parse_args()
@@ -67,19 +67,20 @@ def main() -> None:
         del mask
 
         def peak(*argv):
-            os.chdir(args.repo)  # `-m mask_replay` imports the package of the working folder
             return statistics.median(peak_kib(sys.executable, *argv) for _ in range(args.reps))
 
-        base = peak("-c", "import mask_replay.tools.convert")
-        print(f"package: {args.repo}; baseline (import): {base / 1024:.0f} MiB")
-        print("command | input MB | peak RSS MiB | above baseline MiB | above baseline / input size")
         runs = (("--from padded --to mask", padded_path, ["--from", "padded", "--to", "mask"]),
                 ("--from mask --to padded", mask_path, ["--from", "mask", "--to", "padded"]))
-        for name, src, flags in runs:
-            p = peak("-m", "mask_replay", "convert", src, "-o", os.path.join(folder, "out.safetensors"), *flags)
-            size = os.path.getsize(src)
-            above = (p - base) * 1024
-            print(f"{name} | {size / 1e6:.0f} | {p / 1024:.0f} | {above / 2**20:.0f} | {above / size:.2f}", flush=True)
+        print("package | command | input MB | baseline MiB | peak RSS MiB | above baseline MiB | above / input size")
+        for repo in args.repo:
+            os.chdir(repo)  # `-m mask_replay` imports the package of the working folder
+            base = peak("-c", "import mask_replay.tools.convert")
+            for name, src, flags in runs:
+                p = peak("-m", "mask_replay", "convert", src, "-o", os.path.join(folder, "out.safetensors"), *flags)
+                size = os.path.getsize(src)
+                above = (p - base) * 1024
+                print(f"{repo} | {name} | {size / 1e6:.0f} | {base / 1024:.0f} | {p / 1024:.0f} | "
+                      f"{above / 2**20:.0f} | {above / size:.2f}", flush=True)
     finally:
         shutil.rmtree(folder)
 
