@@ -32,7 +32,8 @@ class ConvertSummary:
 
 
 class Tally:
-    """ConvertSummary of a mask seen whole or a chunk at a time."""
+    """ConvertSummary of a mask seen whole or a chunk at a time (the distinct sequence ids are kept:
+    8 bytes a sequence, not a row)."""
 
     def __init__(self):
         self.rows = self.nnz = self.widest = 0
