@@ -8,7 +8,12 @@ child's ru_maxrss (the wrapper of bench_score_memory.py), the baseline the same 
 children run (default: this one), each measured on the same files (before / after a change). Every
 file made is deleted at the end.
 
+`--time-rows N` times instead, in this process, the whole-mask path (load_padded + save,
+load + save_padded) against the chunked one (padded_to_mask_file, mask_file_to_padded) on files of N
+rows, round-robin, medians of `--reps`, with `--threads` torch threads.
+
     python benchmarks/bench_convert_memory.py --mb 180 [--repo /work/main .] [--dir /tmp] [--reps 1]
+    python benchmarks/bench_convert_memory.py --time-rows 200000 --reps 5 --threads 1
 """
 from __future__ import annotations
 
@@ -18,13 +23,14 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 from bench_score_memory import peak_kib
 
 from mask_replay import SamplingMask
 from mask_replay.csr import segment_logsumexp
-from mask_replay.files.padded_file import save_padded
+from mask_replay.files.padded_file import load_padded, mask_file_to_padded, padded_to_mask_file, save_padded
 
 VOCAB = 151936
 WIDEST = 16
@@ -50,15 +56,42 @@ def make_mask(rows: int, seed: int = 0) -> SamplingMask:
     return SamplingMask(ids.to(torch.int32), offsets, ids[first], entries[first], entry_logprobs=entries)
 
 
+def time_paths(rows: int, reps: int, folder: str) -> None:
+    m, p, out = (os.path.join(folder, n) for n in ("m.safetensors", "p.safetensors", "o.safetensors"))
+    mask = make_mask(rows)
+    mask.save(m)
+    save_padded(mask, p)
+    paths = {"from padded, whole": lambda: load_padded(p).save(out),
+             "from padded, chunked": lambda: padded_to_mask_file(p, out),
+             "to padded, whole": lambda: save_padded(SamplingMask.load(m), out),
+             "to padded, chunked": lambda: mask_file_to_padded(m, out)}
+    times = {k: [] for k in paths}
+    for _ in range(reps):
+        for name, fn in paths.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    print(f"{rows} rows, torch threads {torch.get_num_threads()}, median of {reps} (s)")
+    for name, ts in times.items():
+        print(f"{name:22s} {statistics.median(ts):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=180.0, help="size of each input file, MB")
     ap.add_argument("--repo", nargs="+", default=[os.path.dirname(os.path.dirname(os.path.abspath(__file__)))])
     ap.add_argument("--dir", default=None)
     ap.add_argument("--reps", type=int, default=1, help="runs of each command (median)")
+    ap.add_argument("--time-rows", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     folder = tempfile.mkdtemp(dir=args.dir)
     try:
+        if args.time_rows:
+            time_paths(args.time_rows, args.reps, folder)
+            return
         mask_path, padded_path = os.path.join(folder, "m.safetensors"), os.path.join(folder, "p.safetensors")
         rows = int(args.mb * 1e6 / MASK_BYTES_PER_ROW)
         mask = make_mask(rows)
