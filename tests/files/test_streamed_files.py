@@ -1,5 +1,5 @@
 """Issue 9 §4 (byte-identical mask files) and §5 (bounded memory): the streamed safetensors writer,
-the pread reader, lazy .npz members, and peak memory of capture/inspect measured in a subprocess."""
+the pread reader, lazy .npz members, and peak memory of capture/inspect/convert measured in a subprocess."""
 import json
 import math
 import os
