@@ -9,7 +9,10 @@ same bytes), so memory stays one chunk of rows whatever the file's size. The che
 load_padded + mask_from_padded (and MaskFile's for a mask file), with errors naming the file's row."""
 from __future__ import annotations
 
+import math
 import os
+import shutil
+import tempfile
 from typing import Callable, Optional
 
 import torch
@@ -17,7 +20,7 @@ import torch
 from mask_replay.errors import DumpError, InputError
 from mask_replay.files.dumps import PER_ROW_BYTES
 from mask_replay.files.mask_file import MaskFile
-from mask_replay.files.safe_output import atomic_file
+from mask_replay.files.safe_output import atomic_file, is_stream
 from mask_replay.files.safetensors_stream import Header, fixed_writer, pread_rows, read_all, save
 from mask_replay.mask import ENTRY_KEY, SamplingMask, file_metadata
 from mask_replay.sampler.adapters.padded import (
@@ -178,6 +181,18 @@ def _width(offsets: torch.Tensor, width: Optional[int]) -> int:
     return width
 
 
+def _check_room(output, specs: dict, width: int) -> None:
+    """Every row of a padded file is as wide as the widest (or --width): it can be far larger than
+    its mask file. One its file system cannot hold is refused before a byte is written, rather than
+    filling the disk (the whole-mask path failed at the allocation instead)."""
+    nbytes = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for dtype, shape in specs.values())
+    folder = tempfile.gettempdir() if is_stream(output) else os.path.dirname(os.path.realpath(os.fspath(output)))
+    free = shutil.disk_usage(folder).free
+    if nbytes > free:
+        raise DumpError(f"the padded file (width {width}) would take {nbytes:,} bytes, more than the {free:,} free "
+                        f"in {folder}", file=os.fspath(output))
+
+
 def mask_file_to_padded(path, output, width: Optional[int] = None, *, vocab_size: Optional[int] = None,
                         chunk_rows: Optional[int] = None, each: Each = None) -> None:
     """The padded file of mask file `path`, written to `output` atomically chunk by chunk: the bytes
@@ -195,6 +210,7 @@ def mask_file_to_padded(path, output, width: Optional[int] = None, *, vocab_size
             out[ENTRY_KEY] = (torch.float32, (n, width))
         meta = file_metadata(mf.metadata)
         meta["layout"] = "padded"
+        _check_room(output, out, width)
         step = chunk_rows or chunk_rows_for(width)
         with atomic_file(output) as f:
             writer = fixed_writer(f, out, meta)

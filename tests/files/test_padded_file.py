@@ -4,6 +4,7 @@ same errors naming the same row, nothing written on bad input, and memory that d
 the rows."""
 import ctypes
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mask_replay import SamplingMask
-from mask_replay.errors import InputError
+from mask_replay.errors import DumpError, InputError
 from mask_replay.files import padded_file
 from mask_replay.files.padded_file import load_padded, mask_file_to_padded, padded_to_mask_file, save_padded
 from tests.helpers import assert_clean, write
@@ -205,6 +206,19 @@ def test_bad_row_in_a_later_chunk_of_a_mask_file(tmp_path, case):
     assert f"row {ROW}" in str(whole.value) and str(chunked.value) == str(whole.value)
     assert out.read_bytes() == b"before"
     assert_clean(tmp_path)
+
+
+def test_a_padded_file_larger_than_the_free_disk_is_refused_before_writing(tmp_path, monkeypatch):
+    SamplingMask.from_lists([[1, 2], [3]]).save(tmp_path / "m.safetensors")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(padded_file.shutil, "disk_usage", lambda folder: usage._replace(free=100))
+    out = tmp_path / "p.safetensors"
+    with pytest.raises(DumpError, match=r"p.safetensors: the padded file \(width 1000\) would take 8,008 bytes, "
+                                        r"more than the 100 free"):
+        mask_file_to_padded(tmp_path / "m.safetensors", out, 1000)  # ids 2 x 1000 x 4 + counts 2 x 4
+    assert_clean(tmp_path, "p.safetensors")
+    mask_file_to_padded(tmp_path / "m.safetensors", out, 2)  # 24 bytes: not refused
+    assert load_padded(out) == SamplingMask.load(tmp_path / "m.safetensors")
 
 
 # ---- memory -----------------------------------------------------------------------------------------
