@@ -226,8 +226,11 @@ class StreamWriter:
             self.metadata.update(metadata)
         tail = {k: v.detach().cpu().contiguous() for k, v in (tail or {}).items()}
         for name, t in tail.items():
-            if name not in self.tail_room or self._tail_place is not None:
-                raise ValueError(f"safetensors: no room reserved for tail tensor '{name}' at finish()")
+            if self._tail_place is not None:
+                raise ValueError(f"safetensors: tail tensor '{name}' of a fixed_writer file goes through "
+                                 "write_tail_rows, not finish()")
+            if name not in self.tail_room:
+                raise ValueError(f"safetensors: no room reserved for tail tensor '{name}'")
         shapes = {k: (v.dtype, tuple(v.shape)) for k, v in tail.items()}
         if self._tail_place is not None:  # a fixed tail: every tensor present, written in place already
             shapes = {k: (dt, sh) for k, (dt, sh, _, _) in self._tail_place.items()}
