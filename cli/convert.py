@@ -20,8 +20,11 @@ from mask_replay.tools.convert import ENGINE_SOURCES, SOURCES, TARGETS, convert_
 @click.option("--step", type=int, default=None, help="Training step of the responses, recorded for every row.")
 @click.option("--vocab-size", type=click.IntRange(min=1), default=None,
               help="Check every id against the vocabulary size and record it.")
+@click.option("--chunk-rows", type=click.IntRange(min=1), default=None,
+              help="Rows per chunk of --from padded and --from mask, which never hold the whole file "
+                   "(default: about 64 MiB of working memory).")
 @one_line_errors
-def convert(input_path, output, source, target, width, temperature, step, vocab_size):
+def convert(input_path, output, source, target, width, temperature, step, vocab_size, chunk_rows):
     """Convert IN to a mask file or a padded file.
 
     Engine JSON gives one row per generated token: responses in file order, choices by index,
@@ -32,12 +35,14 @@ def convert(input_path, output, source, target, width, temperature, step, vocab_
         raise CliError(f"--from {source} --to {target}: nothing to convert")
     if width is not None and target != "padded":
         raise CliError("--width applies to --to padded only")
+    if chunk_rows is not None and source in ENGINE_SOURCES:
+        raise CliError("--chunk-rows applies to --from padded and --from mask only (engine JSON is read whole)")
     for name, value in (("--temperature", temperature), ("--step", step)):
         if value is not None and source not in ENGINE_SOURCES:
             raise CliError(f"{name} applies to engine JSON input only (--from vllm-json or sglang-json)")
     try:
         s = convert_file(input_path, output, source=source, target=target, width=width, temperature=temperature,
-                         step=step, vocab_size=vocab_size)
+                         step=step, vocab_size=vocab_size, chunk_rows=chunk_rows)
     except ValueError as exc:
         if isinstance(exc, DumpError):
             raise

@@ -132,6 +132,7 @@ class StreamWriter:
             pos += nbytes
         self._grow_start = pos
         self._grown = 0  # elements appended so far
+        self._tail_place = None  # tail tensors written with write_tail_rows: name -> place
         # Room for the largest header finish() can write: the growing tensor at max_len, every tail
         # tensor present; rounded up to 8 so the data starts aligned.
         worst = self._entries(growing[2] if growing else 0, self.tail_room, spooled[2] if spooled else 0)
@@ -165,7 +166,23 @@ class StreamWriter:
 
     def write_rows(self, name: str, row0: int, t: torch.Tensor) -> None:
         """Rows [row0, row0 + len(t)) of head tensor `name`."""
-        dtype, shape, start, end = self._place[name]
+        self._write_rows_at(self._place[name], name, row0, t)
+
+    def _fix_tail(self) -> None:
+        """Every tensor of tail_room present, at a place known from the start (no growing tensor):
+        then write_tail_rows writes them before finish(), which is given no tail."""
+        if self.growing is not None or self.spooled is not None:
+            raise ValueError("safetensors: a fixed tail needs a file without growing tensors")
+        self._tail_place = {e[0]: e[1:] for e in self._entries(0, self.tail_room) if e[0] in self.tail_room}
+
+    def write_tail_rows(self, name: str, row0: int, t: torch.Tensor) -> None:
+        """Rows [row0, row0 + len(t)) of tail tensor `name` of a fixed_writer file."""
+        if self._tail_place is None:
+            raise ValueError("safetensors: tail rows are written before finish() only in a fixed_writer file")
+        self._write_rows_at(self._tail_place[name], name, row0, t)
+
+    def _write_rows_at(self, place, name: str, row0: int, t: torch.Tensor) -> None:
+        dtype, shape, start, end = place
         t = t.to(dtype)
         row_bytes = math.prod(shape[1:]) * t.element_size()
         pos = start + row0 * row_bytes
@@ -209,9 +226,15 @@ class StreamWriter:
             self.metadata.update(metadata)
         tail = {k: v.detach().cpu().contiguous() for k, v in (tail or {}).items()}
         for name, t in tail.items():
+            if self._tail_place is not None:
+                raise ValueError(f"safetensors: tail tensor '{name}' of a fixed_writer file goes through "
+                                 "write_tail_rows, not finish()")
             if name not in self.tail_room:
                 raise ValueError(f"safetensors: no room reserved for tail tensor '{name}'")
-        entries = self._entries(self._grown, {k: (v.dtype, tuple(v.shape)) for k, v in tail.items()}, self._spooled)
+        shapes = {k: (v.dtype, tuple(v.shape)) for k, v in tail.items()}
+        if self._tail_place is not None:  # a fixed tail: every tensor present, written in place already
+            shapes = {k: (dt, sh) for k, (dt, sh, _, _) in self._tail_place.items()}
+        entries = self._entries(self._grown, shapes, self._spooled)
         for name, dtype, shape, start, end in entries:
             if name in tail:
                 self._pwrite(start, tail[name])
@@ -227,16 +250,27 @@ class StreamWriter:
         self.f.flush()
 
 
+def fixed_writer(f, specs: dict, metadata: Optional[dict] = None) -> StreamWriter:
+    """A StreamWriter for tensors whose dtypes and shapes are all known up front, {name: (dtype,
+    shape)}, in write_file's layout (tensors of 4 and 8 bytes in the head, the 1- and 2-byte ones in
+    the tail): written chunk by chunk with write_rows / write_tail_rows, the file has the bytes
+    save() gives the same tensors."""
+    small = {k: v for k, v in specs.items() if _size(v[0]) < 4}
+    w = StreamWriter(f, {k: v for k, v in specs.items() if k not in small}, tail_room=small, metadata=metadata)
+    w._fix_tail()
+    return w
+
+
 def write_file(f, tensors: dict, metadata: Optional[dict] = None) -> None:
     """All of `tensors` into the open binary file `f`, in the stable layout of StreamWriter."""
     tensors = {str(k): v.detach().cpu().contiguous() for k, v in tensors.items()}
-    small = {k: v for k, v in tensors.items() if v.element_size() < 4}
-    w = StreamWriter(f, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items() if k not in small},
-                     tail_room={k: (v.dtype, tuple(v.shape)) for k, v in small.items()}, metadata=metadata)
+    w = fixed_writer(f, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, metadata)
     for k, v in tensors.items():
-        if k not in small:
+        if k in w.tail_room:
+            w.write_tail_rows(k, 0, v)
+        else:
             w.write(k, v)
-    w.finish(small)
+    w.finish()
 
 
 def save(path, tensors: dict, metadata: Optional[dict] = None) -> None:

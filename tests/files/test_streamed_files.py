@@ -1,6 +1,7 @@
 """Issue 9 §4 (byte-identical mask files) and §5 (bounded memory): the streamed safetensors writer,
-the pread reader, lazy .npz members, and peak memory of capture/inspect measured in a subprocess."""
+the pread reader, lazy .npz members, and peak memory of capture/inspect/convert measured in a subprocess."""
 import json
+import math
 import os
 import struct
 import subprocess
@@ -17,6 +18,7 @@ import mask_replay
 from mask_replay import SamplingMask
 from mask_replay.errors import DumpError
 from mask_replay.files import safetensors_stream
+from mask_replay.files.padded_file import save_padded
 from tests.helpers import N, assert_one_line_error, rollout_tensors, run, write
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -74,6 +76,23 @@ def test_streamed_file_equals_the_whole(tmp_path_factory, chunks, flag):
     assert torch.equal(back["ids"], torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32))
     assert back["per_row"].tolist() == chunks
     assert ("flag" in back) == flag
+
+
+@given(tensors=tensor_dicts(), step=st.integers(1, 4), meta=st.dictionaries(st.text(max_size=5), st.text(max_size=5),
+                                                                             max_size=3))
+def test_fixed_writer_by_rows_gives_the_bytes_of_save(tmp_path_factory, tensors, step, meta):
+    """fixed_writer (what the chunked convert writes with): every tensor written `step` rows at a
+    time, head and tail alike, in any order of the rows; the file is save()'s, byte for byte."""
+    tensors = {k: (v if v.dim() else v.reshape(1)) for k, v in tensors.items()}  # rows need a first dimension
+    folder = tmp_path_factory.mktemp("f")
+    safetensors_stream.save(folder / "whole.safetensors", tensors, meta)
+    with open(folder / "rows.safetensors", "w+b") as f:
+        w = safetensors_stream.fixed_writer(f, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, meta)
+        for k, v in tensors.items():
+            for a in reversed(range(0, len(v), step)):
+                (w.write_tail_rows if k in w.tail_room else w.write_rows)(k, a, v[a:a + step])
+        w.finish()
+    assert (folder / "rows.safetensors").read_bytes() == (folder / "whole.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("damage", ["gap", "overlap", "short", "long", "shape"])
@@ -260,3 +279,28 @@ def test_streamed_rows_equal_copied_rows_and_stay_valid(tmp_path, dtype):
         # a released chunk is only unmapped from this process: reading it again reads the file
         assert torch.equal(first, x[:8])
         assert d.get("x", 50, 60, stream=True).shape == (0, 5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direction", ["from padded", "to padded"])
+def test_convert_memory_is_bounded_by_the_chunk(tmp_path, direction):
+    """convert between a ~60 MB padded file and its mask file in chunks of 4096 rows: the peak over
+    a 64-row file's stays under half the file's size (whole, it was 4.5-6x: docs/benchmarks.md)."""
+    def mask_of(rows):  # 8 ascending ids a row, uniform entry log-probs
+        g = torch.Generator().manual_seed(0)
+        ids = (torch.randint(0, 100, (rows, 1), generator=g) + torch.arange(8) * 1000).reshape(-1)
+        return SamplingMask(ids.to(torch.int32), torch.arange(rows + 1) * 8,
+                            entry_logprobs=torch.full((rows * 8,), -math.log(8.0)))
+
+    sizes = {}
+    for name, rows in (("small", 64), ("big", 850_000)):
+        mask = mask_of(rows)
+        mask.save(tmp_path / f"{name}.m")
+        save_padded(mask, tmp_path / f"{name}.p")
+        del mask
+        src = tmp_path / (f"{name}.p" if direction == "from padded" else f"{name}.m")
+        flags = ["--from", "padded"] if direction == "from padded" else ["--from", "mask", "--to", "padded"]
+        sizes[name] = _peak_rss_mb(["convert", src, "-o", tmp_path / "out", *flags, "--chunk-rows", 4096])
+    file_mb = os.path.getsize(tmp_path / ("big.p" if direction == "from padded" else "big.m")) / 2**20
+    assert file_mb > 50
+    assert sizes["big"] - sizes["small"] < file_mb / 2, (sizes, file_mb)
