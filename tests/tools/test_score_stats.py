@@ -8,49 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mask_replay.tools import score_stats
-from mask_replay.tools.score_stats import ExactSum, MedianSpill, ReportStream, float_keys, key_floats
+from mask_replay.tools.score_stats import ExactSum, ReportStream, float_keys, key_floats
 from mask_replay.trainer.metrics import build_report
-
-EXACT = ("tokens", "sequences", "frac_outside_0.9_1.1", "importance_ratio_median", "support_kl_max",
-         "ratio_tokens_different", "sequence_ratio_mean", "sequence_ratio_median", "sequence_ratio_std",
-         "sequence_log_ratio_mean", "sequence_log_ratio_std")
-
-
-def _series_scales(rollout, x):
-    with np.errstate(all="ignore"):
-        d = x - rollout
-        r = np.exp(d)
-        return {"importance_ratio_mean": np.mean(r), "logp_diff_mean": np.mean(np.abs(d)),
-                "kl_k1": np.mean(np.abs(d)), "kl_k3": np.mean(np.abs(r - 1 - d)), "chi2": np.mean(r * r),
-                "logp_diff_std": np.max(np.abs(d))}
-
-
-def _scales(rollout, replay, no_replay, kept, step=None, *_):
-    """The size of what each mean sums, shaped as the report: two correct float64 sums of those terms
-    differ by a few ulp of it (chi2 = E[r^2] - 1 and E[d] cancel, so relative to the value itself
-    they need not)."""
-    if not rollout.size:
-        return {}
-    out = {"replay": _series_scales(rollout, replay), "no_replay": _series_scales(rollout, no_replay)}
-    if step is not None:
-        out["per_step"] = {str(s): _scales(rollout[step == s], replay[step == s], no_replay[step == s], kept)
-                           for s in np.unique(step)}
-    return out
-
-
-def assert_same(got, want, scales=None, path="report"):
-    assert type(got) is type(want) or {type(got), type(want)} <= {int, float}, (path, got, want)
-    if isinstance(want, dict):
-        assert list(got) == list(want), (path, list(got), list(want))
-        for k in want:
-            assert_same(got[k], want[k], (scales or {}).get(k), f"{path}.{k}")
-        return
-    key = path.rsplit(".", 1)[-1]
-    if isinstance(want, int) or key in EXACT or not math.isfinite(want):
-        assert got == want or (math.isnan(got) and math.isnan(want)), (path, got, want)
-        return
-    scale = abs(want) if scales is None else scales
-    assert abs(got - want) <= 1e-12 * max(abs(want), scale) + 1e-300, (path, got, want, scale)
+from tests.helpers import assert_same_report, report_scales
 
 
 def _stream_report(batches, cols, has_step, has_seq, has_kl):
@@ -97,7 +57,7 @@ def test_stream_equals_the_in_memory_report(batch, waiting, case):
         got = _stream_report(_splits(n, batch or max(n, 1)), cols, has_step, has_seq, has_kl)
     finally:
         score_stats.BATCH = old
-    assert_same(got, want, _scales(*cols))
+    assert_same_report(got, want, report_scales(*cols))
 
 
 def test_medians_are_exact_for_even_odd_ties_and_signed_zeros():
@@ -155,7 +115,7 @@ def test_the_report_of_no_tokens_is_the_in_memory_one():
     want = build_report(e, e, e, e, z, z, e)
     with ReportStream(True, True, True) as s:
         got = s.report()
-    assert_same(got, want)
+    assert_same_report(got, want)
 
 
 def test_the_median_files_are_deleted(tmp_path):
