@@ -4,10 +4,11 @@ numbers as trainer/metrics.build_report computes on whole float64 arrays.
 - means: exact sums (ExactSum: the correctly rounded sum of the batch sums), so a mean differs from
   numpy's pairwise one by rounding only (a few ulp); counts and maxima are exact;
 - standard deviations: Chan's pairwise merge of (count, sum, sum of squared deviations) per batch;
-- medians: exact. Each batch's d values are sorted (by group, then value) and appended to a temporary
-  file (MedianSpill: 8 bytes per token and series on disk, none in memory); the middle order
-  statistics are then found by binary search over the sorted runs, which reads only O(log n) pages
-  of each. A median needs every value (no one-pass sketch is exact), so they wait on disk;
+- medians: exact. A median needs every value (no one-pass sketch is exact), so they wait on disk,
+  not in memory: each batch's d values are sorted and appended to a temporary file (MedianSpill:
+  8 bytes per token and series, twice that when there are steps: sorted by value, and by step then
+  value). A median of up to LOAD_LIMIT values reads them and partitions; a larger one is found by
+  bisection over the sorted runs, which reads O(log n) pages of each;
 - sequences: one log-ratio sum per (step, sequence) pair, 24 bytes a sequence (not a token), added in
   row order with np.add.at, so each is the same float as build_report's np.bincount.
 """
@@ -26,6 +27,8 @@ _SIGN = np.uint64(1 << 63)
 # tokens gathered before they are added (sorted, written, summed): bounds both the memory held for
 # them (~100 bytes a token) and the per-batch overhead
 BATCH = 1 << 16
+# a median of at most this many values reads them (8 bytes each) and partitions; more, it bisects
+LOAD_LIMIT = 1 << 20
 
 
 class ExactSum:
@@ -111,56 +114,62 @@ def key_floats(k: np.ndarray) -> np.ndarray:
 
 class MedianSpill:
     """The exact median of exp(d) per group and over all groups, with the d values on disk: each
-    batch is sorted by (group, value) and appended to one file; `runs` indexes it (group -> list of
-    (offset, count)), so the index grows with batches x groups, never with tokens."""
+    batch is sorted by value (by group, then value, a second time when there are groups) and
+    appended to one file; `runs` indexes it (group, None for all -> list of (offset, count)), so the
+    index grows with batches x groups, never with tokens."""
 
-    def __init__(self, folder: str, name: str):
+    def __init__(self, folder: str, name: str, by_group: bool):
         self.path = os.path.join(folder, name)
         self.file = open(self.path, "wb")
+        self.by_group = by_group
         self.written = 0
         self.runs: dict = {}
-        self.nan: dict = {}  # group -> True when some d is NaN (its median is NaN, as numpy's)
+        self.nan: dict = {}  # group (None: any) -> True when some d is NaN: its median is NaN, as numpy's
 
     def add(self, group: np.ndarray, d: np.ndarray) -> None:
         nan = np.isnan(d)
         if nan.any():
-            for g in np.unique(group[nan]).tolist():
+            for g in [None] + np.unique(group[nan]).tolist():
                 self.nan[g] = True
             group, d = group[~nan], d[~nan]
         if not d.size:
             return
         keys = float_keys(d)
-        order = np.lexsort((keys, group))
-        keys, group = keys[order], group[order]
-        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-        ends = np.r_[starts[1:], group.size]
+        if self.by_group:
+            order = np.lexsort((keys, group))
+            grouped, group = keys[order], group[order]
+            starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+            ends = np.r_[starts[1:], group.size]
+            for a, b, g in zip(starts.tolist(), ends.tolist(), group[starts].tolist()):
+                self.runs.setdefault(g, []).append((self.written + a, b - a))
+            self._write(grouped)
+        self.runs.setdefault(None, []).append((self.written, keys.size))
+        self._write(np.sort(keys))
+
+    def _write(self, keys: np.ndarray) -> None:
         self.file.write(keys.tobytes())
-        for a, b, g in zip(starts.tolist(), ends.tolist(), group[starts].tolist()):
-            self.runs.setdefault(g, []).append((self.written + a, b - a))
         self.written += keys.size
 
     def median(self, group=None) -> float:
         """np.median(np.exp(d)) over the group's values (every group's with None)."""
-        if group is None:
-            runs = [r for rs in self.runs.values() for r in rs]
-            nan = bool(self.nan)
-        else:
-            runs, nan = self.runs.get(group, []), self.nan.get(group, False)
+        runs = self.runs.get(group, [])
         n = sum(c for _, c in runs)
-        if nan:
-            return math.nan
-        if not n:
+        if self.nan.get(group, False) or not n:
             return math.nan
         self.file.flush()
         data = np.memmap(self.path, dtype=np.uint64, mode="r", shape=(self.written,))
+        ks = [n // 2] if n % 2 else [n // 2 - 1, n // 2]
+        segs = []
         try:
             segs = [data[o: o + c] for o, c in runs]
-            ks = [n // 2] if n % 2 else [n // 2 - 1, n // 2]
-            d = key_floats(np.array([_kth(segs, k) for k in ks], dtype=np.uint64))
+            if n <= LOAD_LIMIT:  # few enough to read: one partition
+                picked = np.partition(np.concatenate(segs), ks)[ks]
+            else:
+                picked = np.array([_kth(segs, k) for k in ks], dtype=np.uint64)
         finally:
-            del data  # unmapped with its last view: the pages read leave this process
+            del data, segs  # unmapped with its last view: the pages read leave this process
         with np.errstate(over="ignore"):
-            r = np.exp(d)
+            r = np.exp(key_floats(picked))
         return float(r[0]) if r.size == 1 else float((r[0] + r[1]) / 2)
 
     def close(self) -> None:
@@ -259,8 +268,7 @@ class ReportStream:
     def __init__(self, has_step: bool, has_sequence: bool, has_support: bool, folder: Optional[str] = None):
         self.has_step, self.has_sequence, self.has_support = has_step, has_sequence, has_support
         self._tmp = tempfile.TemporaryDirectory(prefix="mask-replay-score-", dir=folder)
-        self.spill = {"replay": MedianSpill(self._tmp.name, "replay"),
-                      "no_replay": MedianSpill(self._tmp.name, "no_replay")}
+        self.spill = {k: MedianSpill(self._tmp.name, k, has_step) for k in ("replay", "no_replay")}
         self.all = _Group()
         self.steps: dict = {}
         self.sequences = _Sequences() if has_sequence else None

@@ -105,6 +105,8 @@ def test_score_holds_no_per_row_array(tmp_path, monkeypatch):
     the rows. The version that kept per-row arrays fails both: 4 float32/float64 tensors of N rows,
     and ~128 traced bytes a row."""
     monkeypatch.setattr(score_stats, "BATCH", 256)
+    # a median of up to LOAD_LIMIT values reads them (8 MB at most): here the bound is what is tested
+    monkeypatch.setattr(score_stats, "LOAD_LIMIT", 512)
     # the files' identity hash reads through a 1 MB buffer, a peak of its own that would hide ~100
     # bytes a row at these sizes; it is not what is measured here
     monkeypatch.setattr(score_mod, "score_inputs", lambda *paths: {})

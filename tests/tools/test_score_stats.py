@@ -46,21 +46,25 @@ def _columns(n, seed, kind, has_step, has_seq, has_kl):
 
 
 @pytest.mark.parametrize("batch", [1, 7, None])
-@pytest.mark.parametrize("waiting", [3, score_stats.BATCH])
+@pytest.mark.parametrize("waiting, load", [(3, 0), (3, score_stats.LOAD_LIMIT), (score_stats.BATCH, 0)])
 @given(tokens)
-def test_stream_equals_the_in_memory_report(batch, waiting, case):
+def test_stream_equals_the_in_memory_report(batch, waiting, load, case):
     n, seed, kind, has_step, has_seq, has_kl = case
     cols = _columns(n, seed, kind, has_step, has_seq, has_kl)
     want = build_report(*cols)
-    old, score_stats.BATCH = score_stats.BATCH, waiting  # small: many sorted runs, many flushes
+    # few tokens waiting: many sorted runs, many flushes; LOAD_LIMIT 0: every median by bisection
+    old = score_stats.BATCH, score_stats.LOAD_LIMIT
+    score_stats.BATCH, score_stats.LOAD_LIMIT = waiting, load
     try:
         got = _stream_report(_splits(n, batch or max(n, 1)), cols, has_step, has_seq, has_kl)
     finally:
-        score_stats.BATCH = old
+        score_stats.BATCH, score_stats.LOAD_LIMIT = old
     assert_same_report(got, want, report_scales(*cols))
 
 
-def test_medians_are_exact_for_even_odd_ties_and_signed_zeros():
+@pytest.mark.parametrize("load", [0, score_stats.LOAD_LIMIT])
+def test_medians_are_exact_for_even_odd_ties_and_signed_zeros(monkeypatch, load):
+    monkeypatch.setattr(score_stats, "LOAD_LIMIT", load)
     d = np.array([0.0, -0.0, 1e-300, -1e-300, 3.0, 3.0, -5.0, np.inf, -np.inf, 0.25])
     for n in range(1, d.size + 1):
         for perm in (np.arange(n), np.arange(n)[::-1]):
