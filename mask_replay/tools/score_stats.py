@@ -163,7 +163,9 @@ class MedianSpill:
         try:
             segs = [data[o: o + c] for o, c in runs]
             if n <= LOAD_LIMIT:  # few enough to read: one partition
-                picked = np.partition(np.concatenate(segs), ks)[ks]
+                vals = np.concatenate(segs)
+                vals.partition(ks)  # in place: one copy of the values at most
+                picked = vals[ks]
             else:
                 picked = np.array([_kth(segs, k) for k in ks], dtype=np.uint64)
         finally:
