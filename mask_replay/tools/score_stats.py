@@ -15,8 +15,8 @@ numbers as trainer/metrics.build_report computes on whole float64 arrays.
 from __future__ import annotations
 
 import math
-import os
 import tempfile
+from array import array
 from typing import Optional
 
 import numpy as np
@@ -115,12 +115,13 @@ def key_floats(k: np.ndarray) -> np.ndarray:
 class MedianSpill:
     """The exact median of exp(d) per group and over all groups, with the d values on disk: each
     batch is sorted by value (by group, then value, a second time when there are groups) and
-    appended to one file; `runs` indexes it (group, None for all -> list of (offset, count)), so the
-    index grows with batches x groups, never with tokens."""
+    appended to one file; `runs` indexes it (group, None for all -> offset, count, offset, ...: 16
+    bytes a run), so the index grows with batches x groups, never with tokens."""
 
-    def __init__(self, folder: str, name: str, by_group: bool):
-        self.path = os.path.join(folder, name)
-        self.file = open(self.path, "wb")
+    def __init__(self, folder: Optional[str], by_group: bool):
+        # a file without a name (unlinked at once): the system frees it when this process ends,
+        # however it ends (SIGKILL included)
+        self.file = tempfile.TemporaryFile(prefix="mask-replay-score-", dir=folder)
         self.by_group = by_group
         self.written = 0
         self.runs: dict = {}
@@ -141,9 +142,9 @@ class MedianSpill:
             starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
             ends = np.r_[starts[1:], group.size]
             for a, b, g in zip(starts.tolist(), ends.tolist(), group[starts].tolist()):
-                self.runs.setdefault(g, []).append((self.written + a, b - a))
+                self.runs.setdefault(g, array("q")).extend((self.written + a, b - a))
             self._write(grouped)
-        self.runs.setdefault(None, []).append((self.written, keys.size))
+        self.runs.setdefault(None, array("q")).extend((self.written, keys.size))
         self._write(np.sort(keys))
 
     def _write(self, keys: np.ndarray) -> None:
@@ -152,12 +153,13 @@ class MedianSpill:
 
     def median(self, group=None) -> float:
         """np.median(np.exp(d)) over the group's values (every group's with None)."""
-        runs = self.runs.get(group, [])
+        flat = self.runs.get(group, array("q"))
+        runs = list(zip(flat[0::2], flat[1::2]))
         n = sum(c for _, c in runs)
         if self.nan.get(group, False) or not n:
             return math.nan
         self.file.flush()
-        data = np.memmap(self.path, dtype=np.uint64, mode="r", shape=(self.written,))
+        data = np.memmap(self.file, dtype=np.uint64, mode="r", shape=(self.written,))
         ks = [n // 2] if n % 2 else [n // 2 - 1, n // 2]
         segs = []
         try:
@@ -265,12 +267,11 @@ class _Sequences:
 class ReportStream:
     """build_report(rollout, replay, no_replay, kept, step, sequence, support_kl) over batches of
     tokens (float64 arrays; step/sequence int64 or None; support_kl per token or None): add() each
-    batch of tokens, report() at the end. Use as a context manager (the median files are deleted)."""
+    batch of tokens, report() at the end. Use as a context manager (it closes the median files)."""
 
     def __init__(self, has_step: bool, has_sequence: bool, has_support: bool, folder: Optional[str] = None):
         self.has_step, self.has_sequence, self.has_support = has_step, has_sequence, has_support
-        self._tmp = tempfile.TemporaryDirectory(prefix="mask-replay-score-", dir=folder)
-        self.spill = {k: MedianSpill(self._tmp.name, k, has_step) for k in ("replay", "no_replay")}
+        self.spill = {k: MedianSpill(folder, has_step) for k in ("replay", "no_replay")}
         self.all = _Group()
         self.steps: dict = {}
         self.sequences = _Sequences() if has_sequence else None
@@ -351,7 +352,6 @@ class ReportStream:
     def close(self) -> None:
         for s in self.spill.values():
             s.close()
-        self._tmp.cleanup()
 
     def __enter__(self):
         return self

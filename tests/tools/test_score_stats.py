@@ -122,9 +122,10 @@ def test_the_report_of_no_tokens_is_the_in_memory_one():
     assert_same_report(got, want)
 
 
-def test_the_median_files_are_deleted(tmp_path):
-    with ReportStream(False, False, False, folder=str(tmp_path)) as s:
-        s.add(*(np.ones(4) for _ in range(4)))
-        s.report()
-        assert len(list(tmp_path.iterdir())) == 1
-    assert list(tmp_path.iterdir()) == []
+def test_the_median_files_have_no_name(tmp_path):
+    """Unlinked when made: nothing is left in the folder even by a run that is killed."""
+    with ReportStream(True, False, False, folder=str(tmp_path)) as s:
+        s.add(*(np.ones(4) for _ in range(4)), np.arange(4))
+        assert s.report()["replay"]["importance_ratio_median"] == 1.0
+        assert s.spill["replay"].written == 8  # by step, and all steps together
+        assert list(tmp_path.iterdir()) == []
