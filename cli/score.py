@@ -38,8 +38,8 @@ def score(masks, training, json_out, plot, title, chunk_rows, device, resume):
     without (over the full vocabulary): importance ratios, log-prob differences, KL estimates.
 
     The metrics are summed chunk by chunk, with no per-token arrays in memory; the values the
-    medians need wait in a temporary folder ($TMPDIR, 16 bytes a token, 32 with steps; deleted at
-    the end)."""
+    medians need wait in unnamed temporary files ($TMPDIR, 16 bytes a token, 32 with steps; freed
+    when score ends)."""
 
     check_device(device)
     if plot == "-":
