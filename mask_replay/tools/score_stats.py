@@ -119,9 +119,13 @@ class MedianSpill:
     bytes a run), so the index grows with batches x groups, never with tokens."""
 
     def __init__(self, folder: Optional[str], by_group: bool):
+        self.folder = tempfile.gettempdir() if folder is None else folder
         # a file without a name (unlinked at once): the system frees it when this process ends,
         # however it ends (SIGKILL included)
-        self.file = tempfile.TemporaryFile(prefix="mask-replay-score-", dir=folder)
+        try:
+            self.file = tempfile.TemporaryFile(prefix="mask-replay-score-", dir=self.folder)
+        except OSError as exc:
+            raise self._where(exc) from exc
         self.by_group = by_group
         self.written = 0
         self.runs: dict = {}
@@ -148,8 +152,15 @@ class MedianSpill:
         self._write(np.sort(keys))
 
     def _write(self, keys: np.ndarray) -> None:
-        self.file.write(keys.tobytes())
+        try:
+            self.file.write(keys.tobytes())
+        except OSError as exc:  # a full disk: say which folder, and how to choose another
+            raise self._where(exc) from exc
         self.written += keys.size
+
+    def _where(self, exc: OSError) -> OSError:
+        return OSError(exc.errno, f"{exc.strerror or exc} (score's median values, 8-16 bytes a token each for "
+                                  "replay and no replay; set TMPDIR to a folder with room)", self.folder)
 
     def median(self, group=None) -> float:
         """np.median(np.exp(d)) over the group's values (every group's with None)."""

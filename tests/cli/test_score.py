@@ -1,5 +1,6 @@
 """`mask-replay score` on hostile inputs: one error line naming the file, key and row, exit != 0, and
 an existing --json report left as it was; a file of 0 rows scores to a report of nulls."""
+import errno
 import json
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from mask_replay.tools import score_stats
 from tests.helpers import assert_one_line_error, rollout_tensors, run, write
 
 KEEP = "an earlier report\n"
@@ -75,3 +77,20 @@ def test_zero_rows_score_to_nulls(tmp_path):
     # --resume keeps it: the report answers these inputs
     again = run("score", "--masks", masks, "--training", training, "--json", out, "--resume")
     assert again.exit_code == 0 and "skipped (--resume)" in again.stderr
+
+
+def test_a_full_disk_for_the_median_files_names_the_folder(tmp_path, files, monkeypatch):
+    masks, training, out = files
+
+    class Full:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(score_stats.tempfile, "TemporaryFile", lambda **kw: Full())
+    monkeypatch.setattr(score_stats.tempfile, "gettempdir", lambda: "/the/tmp")
+    _refused(run("score", "--masks", masks, "--training", training, "--json", out), out,
+             "/the/tmp: No space left on device (score's median values", "set TMPDIR")
+
