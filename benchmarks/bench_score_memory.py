@@ -1,10 +1,12 @@
-"""Peak memory of `mask-replay score` against the number of rows (issue 30, item 4: score holds
-O(rows) per-row arrays). For each row count: a rollout of small rows (vocab 16, so the logits
-themselves stay small and the per-row state shows), `capture --top-k 4`, a training dump near it,
-then `score --chunk-rows 65536` (4 MiB of logits per chunk, so the per-row state dominates) alone
-in a child process; its peak RSS is the child's ru_maxrss
-(resource.getrusage(RUSAGE_CHILDREN) in a wrapper that runs nothing else). The baseline is the same
+"""Peak memory of `mask-replay score` against the number of rows (issue 30, item 4: score held
+O(rows) per-row arrays; it now streams its report, tools/score_stats.py). For each row count: a
+rollout of small rows (vocab 16, so the logits themselves stay small and the per-row state shows),
+`capture --top-k 4`, a training dump near it, then `score --chunk-rows 65536` (4 MiB of logits
+per chunk, so the per-row state dominates) alone in a child process; its peak RSS is the child's
+ru_maxrss (resource.getrusage(RUSAGE_CHILDREN) in a wrapper that runs nothing else). The baseline is the same
 wrapper around `python -c "import mask_replay.tools.score"` (interpreter, torch, the package).
+The last column is what the mask file's per-row keys take (offsets, sampled, logprobs, ...: MaskFile
+reads them whole, files/mask_file.py), the part of the per-row bytes that is not score's own.
 Every file made is deleted at the end.
 
     python benchmarks/bench_score_memory.py --rows 1000000 10000000 [--dir /tmp]
@@ -21,6 +23,7 @@ import tempfile
 import torch
 
 from mask_replay.files import safetensors_stream
+from mask_replay.files.dumps import Dump
 
 VOCAB = 16
 CHUNK = 1 << 16
@@ -47,6 +50,12 @@ def write_dump(path: str, rows: int, noise: float, with_sampled: bool) -> None:
         w.finish()
 
 
+def mask_row_bytes(path: str) -> int:
+    """Bytes of the mask file's per-row keys (all but the per-entry token_ids / entry_logprobs)."""
+    with Dump(path) as d:
+        return sum(d.nbytes(k) for k in d.keys() if k not in ("token_ids", "entry_logprobs"))
+
+
 def peak_kib(*argv: str) -> int:
     out = subprocess.run([sys.executable, "-c", WRAPPER, *argv], check=True, capture_output=True, text=True)
     return int(out.stdout.split()[-1])
@@ -59,7 +68,8 @@ def main() -> None:
     args = ap.parse_args()
     base = peak_kib(sys.executable, "-c", "import mask_replay.tools.score")
     print(f"baseline (import): {base / 1024:.0f} MiB")
-    print("rows | training dump MB | score peak RSS MiB | above baseline MiB | bytes/row above baseline")
+    print("rows | training dump MB | score peak RSS MiB | above baseline MiB | bytes/row above baseline | "
+          "mask file per-row keys, bytes/row")
     for rows in args.rows:
         folder = tempfile.mkdtemp(dir=args.dir)
         try:
@@ -72,7 +82,7 @@ def main() -> None:
                             "--json", os.path.join(folder, "s.json"), "--chunk-rows", str(CHUNK))
             above = (peak - base) * 1024
             print(f"{rows} | {os.path.getsize(t) / 1e6:.0f} | {peak / 1024:.0f} | {above / 2**20:.0f} | "
-                  f"{above / rows:.0f}", flush=True)
+                  f"{above / rows:.0f} | {mask_row_bytes(m) / rows:.0f}", flush=True)
         finally:
             shutil.rmtree(folder)
 

@@ -35,7 +35,11 @@ from mask_replay.tools.score import report_json, score_files
 @one_line_errors
 def score(masks, training, json_out, plot, title, chunk_rows, device, resume):
     """Compare training log-probs with the rollout's, with replay (over the recorded support) and
-    without (over the full vocabulary): importance ratios, log-prob differences, KL estimates."""
+    without (over the full vocabulary): importance ratios, log-prob differences, KL estimates.
+
+    The metrics are summed chunk by chunk, with no per-token arrays in memory; the values the
+    medians need wait in unnamed temporary files ($TMPDIR, 16 bytes a token, 32 with steps; freed
+    when score ends)."""
 
     check_device(device)
     if plot == "-":

@@ -252,3 +252,49 @@ def torchrun(nproc: int, *args, timeout: float = 60, env=None, cwd=None) -> subp
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+
+
+# ---- score reports: the streamed report against build_report's in-memory one -----------------------
+# the report's numbers that streaming leaves the same floats (the others are sums: equal to rounding)
+REPORT_EXACT_KEYS = ("tokens", "sequences", "frac_outside_0.9_1.1", "importance_ratio_median", "support_kl_max",
+                     "ratio_tokens_different", "sequence_ratio_mean", "sequence_ratio_median", "sequence_ratio_std",
+                     "sequence_log_ratio_mean", "sequence_log_ratio_std")
+
+
+def _series_scales(rollout, x):
+    with np.errstate(all="ignore"):
+        d = x - rollout
+        r = np.exp(d)
+        return {"importance_ratio_mean": np.mean(r), "logp_diff_mean": np.mean(np.abs(d)),
+                "kl_k1": np.mean(np.abs(d)), "kl_k3": np.mean(np.abs(r - 1 - d)), "chi2": np.mean(r * r),
+                "logp_diff_std": np.max(np.abs(d))}
+
+
+def report_scales(rollout, replay, no_replay, kept, step=None, *_):
+    """The size of what each mean sums, shaped as the report: two correct float64 sums of those terms
+    differ by a few ulp of it (chi2 = E[r^2] - 1 and E[d] cancel, so relative to the value itself
+    they need not)."""
+    if not rollout.size:
+        return {}
+    out = {"replay": _series_scales(rollout, replay), "no_replay": _series_scales(rollout, no_replay)}
+    if step is not None:
+        out["per_step"] = {str(s): report_scales(rollout[step == s], replay[step == s], no_replay[step == s],
+                                                 kept[step == s]) for s in np.unique(step)}
+    return out
+
+
+def assert_same_report(got, want, scales=None, path="report"):
+    """Score reports equal: counts, maxima, medians and the sequence metrics exactly; a mean to 1e-12
+    of the size of what it sums (scales: report_scales of the tokens, else the value itself)."""
+    assert type(got) is type(want) or {type(got), type(want)} <= {int, float}, (path, got, want)
+    if isinstance(want, dict):
+        assert list(got) == list(want), (path, list(got), list(want))
+        for k in want:
+            assert_same_report(got[k], want[k], (scales or {}).get(k), f"{path}.{k}")
+        return
+    key = path.rsplit(".", 1)[-1]
+    if isinstance(want, int) or key in REPORT_EXACT_KEYS or not math.isfinite(want):
+        assert got == want or (math.isnan(got) and math.isnan(want)), (path, got, want)
+        return
+    scale = abs(want) if scales is None else scales
+    assert abs(got - want) <= 1e-12 * max(abs(want), scale) + 1e-300, (path, got, want, scale)
