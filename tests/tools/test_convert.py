@@ -107,7 +107,7 @@ def test_hostile_padded_input_is_one_line_and_overwrites_nothing(tmp_path, case,
     ("nan", ["row 6", "hold nan"]),
     ("+inf", ["row 6", "hold inf"]),
     ("not normalised", ["row 6", "do not normalise"]),
-    ("integer dtype", ["key 'entry_logprobs'", "1-D float tensor of 16 entries"]),
+    ("integer dtype", ["key 'entry_logprobs'", "must be a float tensor, got int32"]),  # the header check
     ("shape", ["key 'entry_logprobs'", "1-D float tensor of 16 entries"]),
 ])
 def test_hostile_mask_input_is_one_line_and_overwrites_nothing(tmp_path, case, needles):
