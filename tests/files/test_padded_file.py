@@ -256,6 +256,7 @@ def _peak_above(monkeypatch, run) -> int:
     return max(samples) - start
 
 
+@pytest.mark.slow  # seconds: kept out of the fast loop, run by make test
 @pytest.mark.skipif(_heap_bytes() is None, reason="needs glibc's mallinfo2")
 def test_memory_does_not_grow_with_rows(tmp_path, monkeypatch):
     """Eight times the rows, the same peak (to a chunk's noise), both ways; the whole-mask path, measured

@@ -80,6 +80,7 @@ def test_logps_equal_dense_float64_reference_with_gradients(tmp_path):
         torch.testing.assert_close(g, w.float(), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # seconds: kept out of the fast loop, run by make test
 def test_no_truncation_is_plain_grpo_bit_for_bit(tmp_path):
     kw = dict(top_p=1.0, top_k=0, min_p=None, max_steps=2)
     histories = []
@@ -110,6 +111,7 @@ class Spy(ReplayGRPOTrainer):
         return super()._compute_loss(model, inputs)
 
 
+@pytest.mark.slow  # seconds: kept out of the fast loop, run by make test
 def test_supports_follow_their_samples_through_shuffle_and_split(tmp_path):
     Spy.seen = []
     trainer = make(Spy, tmp_path, n=8, top_k=5, max_steps=2, steps_per_generation=2, num_iterations=2,

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 
+@pytest.mark.slow  # seconds: kept out of the fast loop, run by make test
 def test_det_exp16_matches_det_exp_on_every_float_in_its_domain(cpp_program):
     out = subprocess.run([cpp_program("det_exp16_check")], capture_output=True, text=True, timeout=300).stdout
     if out.strip() == "skip":

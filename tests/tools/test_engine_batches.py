@@ -93,6 +93,7 @@ def dumps(draw):
     return tensors
 
 
+@pytest.mark.slow  # seconds: kept out of the fast loop, run by make test
 @settings(max_examples=25, deadline=None)
 @given(tensors=dumps(), profile=st.sampled_from(PROFILES), chunk=st.integers(1, 4))
 def test_masks_do_not_depend_on_chunks_or_ranks(tmp_path_factory, tensors, profile, chunk):

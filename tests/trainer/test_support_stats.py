@@ -81,6 +81,7 @@ def test_gradcheck_fp64():
     assert torch.autograd.gradcheck(lambda a, b: mr.support_kl(a, b, mask, t), (a, b))
 
 
+@pytest.mark.slow  # seconds: kept out of the fast loop, run by make test
 def test_gradcheck_from_hidden_fp64():
     """The dense-gradient head under gradcheck; the sparse one is compared with it below."""
     _, _, mask, t = make(5, 11, seed=3)
