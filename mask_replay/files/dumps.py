@@ -273,14 +273,11 @@ class Dump:
         """Drop the pages of the last chunk handed out for `key` from this process's memory."""
 
         chunk = self._mapped.pop(key, None)
-        if chunk is None:
-            return
-        if hasattr(chunk, "madvise"):  # a tensor still viewing it refaults from the file
+        if chunk is not None and hasattr(chunk, "madvise"):  # a tensor still viewing it refaults from the file
             chunk.madvise(mmap.MADV_DONTNEED)
-        try:
-            chunk.close()
-        except BufferError:  # a tensor handed out still views it: the map goes with that tensor
-            pass
+        # never closed here: torch.frombuffer holds a reference to the map but no buffer export, so
+        # close() would unmap it under a live tensor (a segfault on its next read); the map is
+        # unmapped when the last tensor viewing it is freed
 
     def close(self):
         for key in list(self._mapped):

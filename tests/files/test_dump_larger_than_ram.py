@@ -3,6 +3,8 @@ private map of the whole file is charged to the commit limit at its full size, a
 default overcommit it fails with ENOMEM). The 64 GiB file is sparse: it takes no disk."""
 import json
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -30,6 +32,25 @@ def test_a_sparse_64_gib_dump_streams_its_first_and_last_rows(tmp_path):
             assert rows.shape == (4, VOCAB) and rows.dtype == torch.float32
             assert not rows.any()  # a hole reads as zeros
             del rows
+
+
+def test_streamed_chunks_stay_readable_after_later_chunks_and_close(tmp_path):
+    """A chunk handed out by get(stream=True) views its own map: reading the next chunks, or closing
+    the dump, must not unmap it under the tensor (that was a segfault, so this runs in a child)."""
+    code = (
+        "import sys, torch\n"
+        "from mask_replay.files import safetensors_stream\n"
+        "from mask_replay.files.dumps import Dump\n"
+        "x = torch.arange(4096 * 64, dtype=torch.float32).reshape(4096, 64)\n"
+        "safetensors_stream.save(sys.argv[1], {'x': x})\n"
+        "d = Dump(sys.argv[1])\n"
+        "kept = [d.get('x', a, a + 512, stream=True) for a in range(0, 4096, 512)]\n"
+        "d.close()\n"
+        "assert all(torch.equal(k, x[i * 512:(i + 1) * 512]) for i, k in enumerate(kept))\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.safetensors")], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
 
 
 def test_inspect_reads_a_dump_larger_than_ram(tmp_path):
