@@ -7,9 +7,12 @@ tests/tools/test_impossible_values.py and tests/tools/test_entry_logprobs.py.)""
 import json
 import os
 import struct
+import tempfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 from mask_replay import SamplingMask
@@ -269,7 +272,7 @@ def test_streamed_per_row_reads_equal_the_whole_file(tmp_path, base, monkeypatch
             assert [a for a, _ in blocks] == list(range(0, rows, block or mask_file.CHECK_BLOCK))
             joined = torch.cat([b if a == 0 else b[extra:] for a, b in blocks])
             assert torch.equal(joined, want), name
-        ids = torch.cat([mf.rows(a, min(a + step, n), V).token_ids for a in range(0, n, step)])
+        ids = torch.cat([mf.rows(a, min(a + step, n), V).token_ids.clone() for a in range(0, n, step)])
         assert torch.equal(ids, tensors["token_ids"])
         with pytest.raises(IndexError):
             keys["sampled"][::2]
@@ -279,13 +282,13 @@ def test_streamed_per_row_reads_equal_the_whole_file(tmp_path, base, monkeypatch
 
 def _damaged(tensors, key, row, value):
     out = {k: v.clone() for k, v in tensors.items()}
-    out[key][row] = value
+    out[key][row] = out[key][row - 1] - 1 if value == "just below offsets[13]" else value
     return out
 
 
 @pytest.mark.parametrize("key, row, value, needle", [
     ("offsets", 7, -1, "offsets decrease at row 6 "),  # across the first block's end
-    ("offsets", 15, 0, "offsets decrease at row 14 "),  # its two offsets in two blocks
+    ("offsets", 14, "just below offsets[13]", "offsets decrease at row 13 "),  # offsets 13 and 14 in two blocks
     ("offsets", 21, 1, "offsets decrease at row 20 "),  # in the last block
     ("offsets", N, 10 ** 6, "offsets[-1] = 1000000 but token_ids has"),
     ("logprobs", 22, 0.5, "row 22 has logprobs 0.5"),
@@ -338,3 +341,57 @@ def test_a_bad_temperature_in_a_late_block_is_refused_by_score(tmp_path, base, m
     result = run("score", "--masks", path, "--training", tmp_path / "train.safetensors", "--json", report)
     assert_one_line_error(result, "bad.safetensors", "temperature", "nan is not a finite value >= 0 at row 20")
     assert report.read_text() == "earlier report"
+
+
+# a check block size, and the offset to damage: none, any, or one that starts a block (the checks'
+# seams)
+_BLOCK_AND_DROP = st.integers(1, 9).flatmap(lambda block: st.tuples(st.just(block), st.one_of(
+    st.none(), st.integers(0, 30), st.integers(1, 4).map(lambda k: k * block))))
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(0, 3), min_size=0, max_size=30), block_drop=_BLOCK_AND_DROP,
+       high=st.one_of(st.none(), st.integers(0, 29)), cuts=st.lists(st.integers(0, 30), max_size=6))
+def test_block_checks_and_chunk_reads_match_the_whole_file(lengths, block_drop, high, cuts):
+    """Any row lengths, check blocks and chunk cuts: MaskFile refuses exactly when the whole-key
+    checks do, with their message (offset `drop` below the one before, a log-prob > 0 at row `high`),
+    and the chunks it reads of a good file join into the whole keys."""
+    block, drop = block_drop
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(mask_file, "CHECK_BLOCK", block)
+        _compare_with_the_whole_file(lengths, drop, high, cuts)
+
+
+def _compare_with_the_whole_file(lengths, drop, high, cuts):
+    n = len(lengths)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64).cumsum(0)])
+    ids = torch.cat([torch.arange(k, dtype=torch.int32) for k in lengths] + [torch.zeros(0, dtype=torch.int32)])
+    tensors = {"token_ids": ids, "offsets": offsets,
+               "logprobs": -torch.arange(n, dtype=torch.float32), "temperature": torch.ones(n)}
+    if drop is not None and drop <= n:  # below the offset before it (offsets[0] below 0)
+        offsets[drop] -= 1 + (lengths[drop - 1] if drop else 0)
+    if high is not None and high < n:
+        tensors["logprobs"][high] = 0.5
+    with tempfile.TemporaryDirectory() as folder:
+        path = write(os.path.join(folder, "m.safetensors"), tensors)
+        try:
+            check_offsets(offsets, tensors["token_ids"].numel(), source=path)
+            check_row_values({"logprobs": tensors["logprobs"]}, source=path)
+            want = None
+        except MaskFormatError as exc:
+            want = str(exc)
+        if want is not None:
+            with pytest.raises(MaskFormatError) as info:
+                MaskFile(path)
+            assert str(info.value) == want
+            return
+        with MaskFile(path) as mf:
+            bounds = sorted({0, n, *(c for c in cuts if c <= n)})
+            for name, key in _row_keys(mf).items():
+                extra = int(name == "offsets")
+                parts = [key[a: b + extra] for a, b in zip(bounds, bounds[1:])] or [key[0: extra]]
+                got = torch.cat([p if i == 0 else p[extra:] for i, p in enumerate(parts)])
+                assert torch.equal(got, tensors[name]), name
+            # each chunk's ids are a view of the file map, unmapped when the next chunk is read: copied
+            got = [mf.rows(a, b, 4).token_ids.clone() for a, b in zip(bounds, bounds[1:])] or [ids[:0]]
+            assert torch.equal(torch.cat(got), ids)
