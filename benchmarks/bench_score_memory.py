@@ -5,8 +5,9 @@ rollout of small rows (vocab 16, so the logits themselves stay small and the per
 per chunk, so the per-row state dominates) alone in a child process; its peak RSS is the child's
 ru_maxrss (resource.getrusage(RUSAGE_CHILDREN) in a wrapper that runs nothing else). The baseline is the same
 wrapper around `python -c "import mask_replay.tools.score"` (interpreter, torch, the package).
-The last column is what the mask file's per-row keys take (offsets, sampled, logprobs, ...: MaskFile
-reads them whole, files/mask_file.py), the part of the per-row bytes that is not score's own.
+The last column is what the mask file's per-row keys take (offsets, sampled, logprobs, ...), what
+score would hold if MaskFile read them whole at open (it did until it read them per chunk, RowKey in
+files/mask_file.py).
 Every file made is deleted at the end.
 
     python benchmarks/bench_score_memory.py --rows 1000000 10000000 [--dir /tmp]

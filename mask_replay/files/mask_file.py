@@ -5,11 +5,12 @@ keeps the chunks for a torchrun rank to send.
 Reading:
 
 SamplingMask.load reads every tensor; a mask of flat rows is as large as an fp32 dump (GBs). Here
-only the per-row keys (offsets, sampled, logprobs, ...: a few bytes per row) are read whole; the
-support ids of rows [a, b) are read with pread when those rows are scored, and checked then
+nothing is read whole: the per-row keys (offsets, sampled, logprobs, ...: RowKey) and the
+support ids of rows [a, b) are read with pread when those rows are scored, the ids checked then
 (SamplingMask.validate on the chunk: ids in range and ascending, sampled in range). The checks
 that need the whole file (offsets start at 0, never decrease, end at the number of ids; every
-per-row key has one value per row) are made once at open, on the per-row keys only. Before any of
+per-row value possible) are made once at open, in one pass over blocks of CHECK_BLOCK rows, so
+a bad late row is refused before anything is written. Before any of
 them is read, the header alone is checked (check_mask_header: a key whose declared shape is not
 one value per row is refused before its bytes are allocated; check_unique_keys: a header naming a
 key twice), the same checks for SamplingMask.load (read_mask_tensors) and `inspect`.
@@ -29,8 +30,58 @@ from mask_replay.files.dumps import Dump, _dtname
 from mask_replay.files.safetensors_stream import MAX_HEADER, Header, StreamWriter, read_all
 from mask_replay.mask import _ROW_EXTRAS, ENTRY_KEY, SamplingMask, check_file_dtypes, file_metadata
 
+# rows per block of the checks at open (transient memory a few MB, whatever the rows)
+CHECK_BLOCK = 1 << 20
+
+
+class RowKey:
+    """One per-row key of an open mask file (offsets included), read when sliced: key[a:b] is rows
+    [a, b) read with pread, so holding one costs nothing; shape and dtype come from the header.
+    whole() reads every row, for a caller that truly needs them all."""
+
+    def __init__(self, dump: Dump, key: str):
+        self._dump, self.key = dump, key
+        self.shape = tuple(dump.shape(key))
+        self.dtype = dump.dtype(key)
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, slice):
+            a, b, step = index.indices(self.shape[0])
+            if step != 1:
+                raise IndexError(f"{self.key}: only contiguous row ranges are read, not step {step}")
+            return self._dump.get(self.key, a, max(a, b))
+        i = int(index)
+        if i < 0:
+            i += self.shape[0]
+        if not 0 <= i < self.shape[0]:
+            raise IndexError(f"{self.key}: row {index} out of range for {self.shape[0]} rows")
+        return self._dump.get(self.key, i, i + 1)[0]
+
+    def blocks(self, block: Optional[int] = None, overlap: int = 0):
+        """(first row a, rows [a, a + block + overlap)) of the key, block by block (CHECK_BLOCK rows
+        when None, looked up at the call so that tests can make blocks small)."""
+        block = block or CHECK_BLOCK
+        n = self.shape[0]
+        for a in range(0, max(n - overlap, 1), block):
+            yield a, self[a: a + block + overlap]
+
+    def whole(self) -> torch.Tensor:
+        return self._dump.get(self.key)
+
+    def __repr__(self) -> str:
+        return f"RowKey({self.key!r}, {_dtname(self.dtype)} {list(self.shape)})"
+
 
 class MaskFile:
+    """A mask file open for reading in row chunks: offsets, sampled, logprobs, kept_mass and the
+    extras are RowKeys (read per slice), so what it holds does not grow with the rows."""
+
     def __init__(self, path: str):
         self.path = path
         self._dump = Dump(path)
@@ -46,30 +97,32 @@ class MaskFile:
         check_mask_header(path, header_entries(d))  # before anything is read: shapes bound what is
         self.nnz = d.shape("token_ids")[0]
         # entry_logprobs is per entry ([nnz], read with its rows' ids); every other key is per row
+        # (check_mask_header: each of shape [N])
         self.has_entry_logprobs = ENTRY_KEY in d
-        per_row = {k: d.get(k) for k in d.keys() if k not in ("token_ids", ENTRY_KEY)}
-        o = per_row.pop("offsets")
-        check_offsets(o, self.nnz, source=path)
-        self.offsets = o
-        self.num_rows = o.numel() - 1
-        for k, v in per_row.items():
-            if v.dim() != 1 or v.numel() != self.num_rows:
-                raise MaskFormatError(f"{k} must have shape [{self.num_rows}], got {tuple(v.shape)}", file=path)
+        per_row = {k: RowKey(d, k) for k in d.keys() if k not in ("token_ids", ENTRY_KEY)}
+        self.offsets = per_row.pop("offsets")
+        self.num_rows = self.offsets.numel() - 1
+        _check_offsets_blocks(self.offsets, self.nnz, path)
         named = {k: per_row.pop(k) for k in _ROW_EXTRAS if k in per_row}
         self.sampled = named.get("sampled")
         self.logprobs = named.get("logprobs")
         self.kept_mass = named.get("kept_mass")
         self.extras = per_row
-        check_row_values({"logprobs": self.logprobs, "kept_mass": self.kept_mass,
-                          "capture_logprobs": per_row.get("capture_logprobs")}, source=path)
+        # key by key, block by block: the first bad row of the first bad key, as on the whole keys
+        for name, key in (("logprobs", self.logprobs), ("kept_mass", self.kept_mass),
+                          ("capture_logprobs", per_row.get("capture_logprobs"))):
+            if key is not None:
+                for a, block in key.blocks():
+                    check_row_values({name: block}, source=path, row_offset=a)
         self.metadata = dict(self._dump.metadata)
 
     def rows(self, a: int, b: int, vocab_size: int) -> SamplingMask:
         """Rows [a, b) with their support ids (and entry log-probs, when the file has them), checked
         against the vocabulary."""
-        lo, hi = int(self.offsets[a]), int(self.offsets[b])
+        o = self.offsets[a: b + 1]
+        lo, hi = int(o[0]), int(o[-1])
         # a view of the file map, released when the next chunk is read (see Dump.get)
-        sub = SamplingMask(self._dump.get("token_ids", lo, hi, stream=True), self.offsets[a: b + 1] - lo,
+        sub = SamplingMask(self._dump.get("token_ids", lo, hi, stream=True), o - lo,
                            None if self.sampled is None else self.sampled[a:b].to(torch.int64),
                            entry_logprobs=self._dump.get(ENTRY_KEY, lo, hi).to(torch.float32)
                            if self.has_entry_logprobs else None)
@@ -87,6 +140,21 @@ class MaskFile:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_offsets_blocks(offsets: RowKey, nnz: int, path: str) -> None:
+    """check_offsets (start at 0, never decrease, end at nnz) block by block, each block overlapping
+    the next by one value; a later block is checked with a 0 put before it (its first value was
+    checked >= 0 by the block before), so check_offsets' words and rows hold, shifted back by one."""
+    n = offsets.numel()
+    zero = torch.zeros(1, dtype=torch.int64)
+    for a, block in offsets.blocks(overlap=1):
+        last = a + block.numel() >= n
+        end = nnz if last else int(block[-1])
+        try:
+            check_offsets(block if a == 0 else torch.cat([zero, block]), end, source=path)
+        except MaskFormatError as exc:
+            raise exc.at(row_offset=a if a == 0 else a - 1) from None
 
 
 def header_entries(d: Dump) -> dict:

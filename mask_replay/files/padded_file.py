@@ -19,7 +19,7 @@ import torch
 
 from mask_replay.errors import DumpError, InputError
 from mask_replay.files.dumps import PER_ROW_BYTES
-from mask_replay.files.mask_file import MaskFile
+from mask_replay.files.mask_file import MaskFile, RowKey
 from mask_replay.files.safe_output import atomic_file, is_stream
 from mask_replay.files.safetensors_stream import Header, fixed_writer, pread_rows, read_all, save
 from mask_replay.mask import ENTRY_KEY, SamplingMask, file_metadata
@@ -171,14 +171,25 @@ def _write_chunk(writer, m: SamplingMask, row0: int, done: int) -> None:
             writer.write_rows(k, row0, v)
 
 
-def _width(offsets: torch.Tensor, width: Optional[int]) -> int:
-    """to_padded's width checks, from a mask file's offsets (its row lengths freed on return)."""
-    lengths = offsets[1:] - offsets[:-1]
-    width = padded_width(int(lengths.max()) if lengths.numel() else 0, width)
-    wide = torch.nonzero(lengths > width)
-    if wide.numel():
-        raise wider_row(int(wide[0]), int(lengths[int(wide[0])]), width)
-    return width
+def _width(offsets: RowKey, width: Optional[int]) -> int:
+    """to_padded's width checks, from a mask file's offsets read block by block (one block of row
+    lengths alive at a time): a given width is checked first, then the first row wider than it is
+    named; without one, the widest row is the width."""
+    if width is not None:
+        width = padded_width(0, width)
+    widest = 0
+    for a, o in offsets.blocks(overlap=1):
+        lengths = o[1:] - o[:-1]
+        if not lengths.numel():
+            continue
+        if width is None:
+            widest = max(widest, int(lengths.max()))
+            continue
+        wide = torch.nonzero(lengths > width)
+        if wide.numel():
+            r = int(wide[0])
+            raise wider_row(a + r, int(lengths[r]), width)
+    return padded_width(widest, None) if width is None else width
 
 
 def _check_room(output, specs: dict, width: int) -> None:
@@ -203,7 +214,7 @@ def mask_file_to_padded(path, output, width: Optional[int] = None, *, vocab_size
         n = mf.num_rows
         width = _width(mf.offsets, width)
         named = {k: getattr(mf, k) for k in ("sampled", "logprobs", "kept_mass") if getattr(mf, k) is not None}
-        per_row = {**named, **mf.extras}  # MaskFile holds these whole (a few bytes a row)
+        per_row = {**named, **mf.extras}  # RowKeys: each chunk reads its rows
         out = {k: (v.dtype, (n,)) for k, v in per_row.items()}
         out.update({"ids": (torch.int32, (n, width)), "counts": (torch.int32, (n,))})
         if mf.has_entry_logprobs:

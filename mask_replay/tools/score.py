@@ -17,7 +17,7 @@ from mask_replay import errors
 from mask_replay.errors import DumpError
 from mask_replay.files.dumps import Dump, check_finite, default_chunk_rows
 from mask_replay.files.identity import file_identity
-from mask_replay.files.mask_file import MaskFile
+from mask_replay.files.mask_file import MaskFile, RowKey
 from mask_replay.tools.score_stats import ReportStream
 from mask_replay.trainer.metrics import support_kl_per_row
 from mask_replay.trainer.replay import full_logprobs, kept_mass, replay_logprobs
@@ -32,15 +32,11 @@ class ScoreResult:
 
 @dataclass
 class _Rows:
-    """What the mask file says of every row (views of its per-row keys, no copies)."""
+    """What the mask file says of every row (its per-row keys, read a chunk at a time)."""
 
-    temperature: Optional[torch.Tensor]  # [N], None: every row at 1.0
-    outside: Optional[torch.Tensor]  # bool [N], rows flagged by capture (--outside flag), or None
+    temperature: Optional[RowKey]  # [N], None: every row at 1.0
+    outside: Optional[RowKey]  # bool [N], rows flagged by capture (--outside flag), or None
     vocab: int  # the training logits'
-
-
-# rows per block of the whole-file checks (transient memory a few MB, whatever the rows)
-CHECK_BLOCK = 1 << 20
 
 
 def report_json(report: dict) -> str:
@@ -106,8 +102,8 @@ def _row_info(mask: MaskFile, tr: Dump, masks_path: str, notes: list) -> _Rows:
     if temp is None:
         notes.append(f"{masks_path}: no 'temperature' key: scoring at temperature 1.0")
     else:
-        for a in range(0, n, CHECK_BLOCK):
-            t = temp[a: a + CHECK_BLOCK].to(torch.float32)
+        for a, t in temp.blocks():
+            t = t.to(torch.float32)
             bad = torch.nonzero(~torch.isfinite(t) | (t < 0)).flatten()
             if bad.numel():
                 r = int(bad[0])
@@ -134,7 +130,8 @@ def _flags(mask: MaskFile, info: _Rows, a: int, b: int):
     flagged = torch.zeros(b - a, dtype=torch.bool) if info.outside is None else info.outside[a:b].bool()
     # an engine mask may hold unsampled rows (empty support, e.g. forced tokens): nothing to
     # replay there, so they are left out like flagged rows
-    unsampled = (mask.offsets[a + 1: b + 1] - mask.offsets[a:b]).cpu() == 0
+    o = mask.offsets[a: b + 1]
+    unsampled = (o[1:] - o[:-1]) == 0
     return temp, greedy, flagged, unsampled
 
 

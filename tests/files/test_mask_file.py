@@ -7,16 +7,21 @@ tests/tools/test_impossible_values.py and tests/tools/test_entry_logprobs.py.)""
 import json
 import os
 import struct
+import tempfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 from mask_replay import SamplingMask
-from mask_replay.errors import DumpError
+from mask_replay.csr import check_offsets, check_row_values
+from mask_replay.errors import DumpError, MaskFormatError
+from mask_replay.files import mask_file
 from mask_replay.files.dumps import Dump
 from mask_replay.files.mask_file import MaskFile
-from tests.helpers import V, assert_one_line_error, rollout_tensors, run, write
+from tests.helpers import N, V, assert_one_line_error, rollout_tensors, run, write
 
 CODES = {torch.float32: "F32", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
 
@@ -233,3 +238,160 @@ def test_a_valid_file_with_entry_logprobs_still_reads_everywhere(tmp_path, base)
         assert torch.equal(rows.token_ids, mask.token_ids) and torch.equal(rows.entry_logprobs, mask.entry_logprobs)
     assert run("inspect", path).exit_code == 0
     assert run("score", "--masks", path, "--training", tmp_path / "train.safetensors").exit_code == 0
+
+
+# ---- per-row keys read a chunk at a time (RowKey), checked block by block at open ----------------
+def _row_keys(mf):
+    named = {k: getattr(mf, k) for k in ("offsets", "sampled", "logprobs", "kept_mass")}
+    return {**{k: v for k, v in named.items() if v is not None}, **mf.extras}
+
+
+@pytest.mark.parametrize("block", [1, 7, None])
+@pytest.mark.parametrize("chunk", [1, 7, None])
+def test_streamed_per_row_reads_equal_the_whole_file(tmp_path, base, monkeypatch, chunk, block):
+    """Every per-row key read in chunks of 1, 7 or all rows (and in the check blocks, of 1, 7 or
+    CHECK_BLOCK rows) is the whole key as safetensors reads it, and rows(a, b) are its ids."""
+    if block is not None:
+        monkeypatch.setattr(mask_file, "CHECK_BLOCK", block)
+    tensors, meta = base
+    path = hostile(tmp_path / "ok.safetensors", tensors, meta)
+    with MaskFile(path) as mf:
+        keys = _row_keys(mf)
+        assert set(keys) == set(tensors) - {"token_ids", "entry_logprobs"}
+        n = mf.num_rows
+        step = chunk or n
+        for name, key in keys.items():
+            want = tensors[name]
+            assert key.shape == tuple(want.shape) and key.dtype == want.dtype and key.numel() == want.numel()
+            extra = int(name == "offsets")  # a chunk [a, b) of offsets holds b - a + 1 values
+            rows = want.shape[0] - extra
+            parts = [key[a: min(a + step, rows) + extra] for a in range(0, rows, step)]
+            assert torch.equal(torch.cat([p if i == 0 else p[extra:] for i, p in enumerate(parts)]), want), name
+            assert torch.equal(key.whole(), want) and torch.equal(key[-1], want[-1]) and torch.equal(key[3], want[3])
+            blocks = list(key.blocks(overlap=extra))
+            assert [a for a, _ in blocks] == list(range(0, rows, block or mask_file.CHECK_BLOCK))
+            joined = torch.cat([b if a == 0 else b[extra:] for a, b in blocks])
+            assert torch.equal(joined, want), name
+        ids = torch.cat([mf.rows(a, min(a + step, n), V).token_ids.clone() for a in range(0, n, step)])
+        assert torch.equal(ids, tensors["token_ids"])
+        with pytest.raises(IndexError):
+            keys["sampled"][::2]
+        with pytest.raises(IndexError):
+            keys["sampled"][n]
+
+
+def _damaged(tensors, key, row, value):
+    out = {k: v.clone() for k, v in tensors.items()}
+    out[key][row] = out[key][row - 1] - 1 if value == "just below offsets[13]" else value
+    return out
+
+
+@pytest.mark.parametrize("key, row, value, needle", [
+    ("offsets", 7, -1, "offsets decrease at row 6 "),  # across the first block's end
+    ("offsets", 14, "just below offsets[13]", "offsets decrease at row 13 "),  # offsets 13 and 14 in two blocks
+    ("offsets", 21, 1, "offsets decrease at row 20 "),  # in the last block
+    ("offsets", N, 10 ** 6, "offsets[-1] = 1000000 but token_ids has"),
+    ("logprobs", 22, 0.5, "row 22 has logprobs 0.5"),
+    ("kept_mass", 15, 1.5, "row 15 has kept_mass 1.5"),
+    ("capture_logprobs", 23, 2.0, "row 23 has capture_logprobs 2"),
+])
+def test_a_bad_value_in_a_late_block_is_refused_with_its_row(tmp_path, base, monkeypatch, key, row, value, needle):
+    """With check blocks of 7 rows, a bad offset or impossible value in a later block is refused at
+    open in the words and row of the whole-file check, by MaskFile, score and convert (and load and
+    inspect), with nothing written."""
+    monkeypatch.setattr(mask_file, "CHECK_BLOCK", 7)
+    tensors, meta = base
+    bad = _damaged(tensors, key, row, value)
+    with pytest.raises(MaskFormatError) as whole:  # the checks on the whole keys, as before
+        check_offsets(bad["offsets"], bad["token_ids"].numel(), source="f")
+        check_row_values({k: bad[k] for k in ("logprobs", "kept_mass", "capture_logprobs")}, source="f")
+    path = hostile(tmp_path / "bad.safetensors", bad, meta)
+    with pytest.raises(MaskFormatError) as info:
+        MaskFile(path)
+    assert str(info.value) == str(whole.value).replace("f:", f"{path}:", 1)
+    assert needle in str(info.value)
+    if key != "capture_logprobs":  # SamplingMask.load (and so inspect) does not check that key
+        refused_everywhere(tmp_path, path, str(info.value))
+    report = tmp_path / "score.json"
+    report.write_text("earlier report")
+    result = run("score", "--masks", path, "--training", tmp_path / "train.safetensors", "--json", report)
+    assert_one_line_error(result, str(info.value))
+    assert report.read_text() == "earlier report"
+    out = tmp_path / "p.safetensors"
+    assert_one_line_error(run("convert", path, "-o", out, "--from", "mask", "--to", "padded"), str(info.value))
+    assert not out.exists()
+
+
+def test_of_two_bad_keys_the_first_checked_is_named(tmp_path, base, monkeypatch):
+    """logprobs are checked before kept_mass, block by block: a bad logprob in the last block is
+    named, not a bad kept mass in the first (the order of the whole-key checks)."""
+    monkeypatch.setattr(mask_file, "CHECK_BLOCK", 7)
+    tensors, meta = base
+    bad = _damaged(_damaged(tensors, "logprobs", 22, 0.5), "kept_mass", 1, -3.0)
+    with pytest.raises(MaskFormatError, match="row 22 has logprobs 0.5"):
+        MaskFile(hostile(tmp_path / "bad.safetensors", bad, meta))
+
+
+def test_a_bad_temperature_in_a_late_block_is_refused_by_score(tmp_path, base, monkeypatch):
+    monkeypatch.setattr(mask_file, "CHECK_BLOCK", 7)
+    tensors, meta = base
+    path = hostile(tmp_path / "bad.safetensors", _damaged(tensors, "temperature", 20, float("nan")), meta)
+    report = tmp_path / "score.json"
+    report.write_text("earlier report")
+    result = run("score", "--masks", path, "--training", tmp_path / "train.safetensors", "--json", report)
+    assert_one_line_error(result, "bad.safetensors", "temperature", "nan is not a finite value >= 0 at row 20")
+    assert report.read_text() == "earlier report"
+
+
+# a check block size, and the offset to damage: none, any, or one that starts a block (the checks'
+# seams)
+_BLOCK_AND_DROP = st.integers(1, 9).flatmap(lambda block: st.tuples(st.just(block), st.one_of(
+    st.none(), st.integers(0, 30), st.integers(1, 4).map(lambda k: k * block))))
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(0, 3), min_size=0, max_size=30), block_drop=_BLOCK_AND_DROP,
+       high=st.one_of(st.none(), st.integers(0, 29)), cuts=st.lists(st.integers(0, 30), max_size=6))
+def test_block_checks_and_chunk_reads_match_the_whole_file(lengths, block_drop, high, cuts):
+    """Any row lengths, check blocks and chunk cuts: MaskFile refuses exactly when the whole-key
+    checks do, with their message (offset `drop` below the one before, a log-prob > 0 at row `high`),
+    and the chunks it reads of a good file join into the whole keys."""
+    block, drop = block_drop
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(mask_file, "CHECK_BLOCK", block)
+        _compare_with_the_whole_file(lengths, drop, high, cuts)
+
+
+def _compare_with_the_whole_file(lengths, drop, high, cuts):
+    n = len(lengths)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64).cumsum(0)])
+    ids = torch.cat([torch.arange(k, dtype=torch.int32) for k in lengths] + [torch.zeros(0, dtype=torch.int32)])
+    tensors = {"token_ids": ids, "offsets": offsets,
+               "logprobs": -torch.arange(n, dtype=torch.float32), "temperature": torch.ones(n)}
+    if drop is not None and drop <= n:  # below the offset before it (offsets[0] below 0)
+        offsets[drop] -= 1 + (lengths[drop - 1] if drop else 0)
+    if high is not None and high < n:
+        tensors["logprobs"][high] = 0.5
+    with tempfile.TemporaryDirectory() as folder:
+        path = write(os.path.join(folder, "m.safetensors"), tensors)
+        try:
+            check_offsets(offsets, tensors["token_ids"].numel(), source=path)
+            check_row_values({"logprobs": tensors["logprobs"]}, source=path)
+            want = None
+        except MaskFormatError as exc:
+            want = str(exc)
+        if want is not None:
+            with pytest.raises(MaskFormatError) as info:
+                MaskFile(path)
+            assert str(info.value) == want
+            return
+        with MaskFile(path) as mf:
+            bounds = sorted({0, n, *(c for c in cuts if c <= n)})
+            for name, key in _row_keys(mf).items():
+                extra = int(name == "offsets")
+                parts = [key[a: b + extra] for a, b in zip(bounds, bounds[1:])] or [key[0: extra]]
+                got = torch.cat([p if i == 0 else p[extra:] for i, p in enumerate(parts)])
+                assert torch.equal(got, tensors[name]), name
+            # each chunk's ids are a view of the file map, unmapped when the next chunk is read: copied
+            got = [mf.rows(a, b, 4).token_ids.clone() for a, b in zip(bounds, bounds[1:])] or [ids[:0]]
+            assert torch.equal(torch.cat(got), ids)

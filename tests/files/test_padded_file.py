@@ -268,8 +268,9 @@ def test_memory_does_not_grow_with_rows(tmp_path, monkeypatch):
         mask.save(m)
         save_padded(mask, p, 6)
         del mask
-        peaks["to padded", rows] = _peak_above(monkeypatch, lambda each: mask_file_to_padded(
-            m, tmp_path / "o.safetensors", chunk_rows=256, each=each))
+        # the lower of two runs: the first of the test also pays first-call allocations (~100 KB)
+        peaks["to padded", rows] = min(_peak_above(monkeypatch, lambda each: mask_file_to_padded(
+            m, tmp_path / "o.safetensors", chunk_rows=256, each=each)) for _ in range(2))
         peaks["from padded", rows] = _peak_above(monkeypatch, lambda each: padded_to_mask_file(
             p, tmp_path / "o.safetensors", chunk_rows=256, each=each))
         heap = _heap_bytes()
@@ -280,6 +281,6 @@ def test_memory_does_not_grow_with_rows(tmp_path, monkeypatch):
         del whole
     grown = {k: peaks[k, 16000] - peaks[k, 2000] for k in ("to padded", "from padded", "whole", "mask bytes")}
     assert grown["whole"] > 0.9 * grown["mask bytes"], grown  # the measure sees a mask held whole
-    # chunked: MaskFile keeps offsets whole (8 B a row); nothing else grows
-    assert grown["to padded"] < 14000 * 8 + (64 << 10), grown
+    # chunked: nothing grows (MaskFile reads its offsets per chunk too, RowKey; whole they were 8 B a row)
+    assert grown["to padded"] < 64 << 10, grown
     assert grown["from padded"] < 64 << 10, grown

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mask_replay.files.mask_file import MaskFile
+from mask_replay.files import mask_file
 from mask_replay.mask import SamplingMask
 from mask_replay.tools import score as score_mod
 from mask_replay.tools import score_stats
@@ -92,39 +92,50 @@ def _live(cls) -> list:
         return [o for o in gc.get_objects() if isinstance(o, cls)]
 
 
-def _per_row_arrays(rows: int, before: dict, mask_keys: set) -> list:
+def _per_row_arrays(rows: int, before: dict) -> list:
     """Tensors of `rows` elements or more made since `before` (id -> tensor, alive then: other tests'
-    leftovers) that are not the mask file's own per-row keys (a chunk of logits, chunk rows x V, is
-    kept smaller than that)."""
+    leftovers), the mask file's per-row keys included (a chunk of logits, chunk rows x V, is kept
+    smaller than that)."""
     found = []
     for o in _live(torch.Tensor):
         if id(o) in before or o.numel() < rows:
             continue
         try:
-            ptr = o.untyped_storage().data_ptr()
+            o.untyped_storage().data_ptr()
         except RuntimeError:  # a fake tensor (torch.compile tests): it holds no data
             continue
-        if ptr not in mask_keys:
-            found.append((o.dtype, tuple(o.shape)))
+        found.append((o.dtype, tuple(o.shape)))
     return found
 
 
-def test_score_holds_no_per_row_array(tmp_path, monkeypatch):
-    """While the chunks stream, nothing as long as the dump is alive but the mask file's per-row keys
-    (tensors, found by the garbage collector), and the traced (numpy, Python) peak does not grow with
-    the rows. The version that kept per-row arrays fails both: 4 float32/float64 tensors of N rows,
-    and ~128 traced bytes a row."""
+def _quiet(monkeypatch):
     monkeypatch.setattr(score_stats, "BATCH", 128)  # (below the smaller size: what waits is the same)
     # a median of up to LOAD_LIMIT values reads them (8 MB at most): here the bound is what is tested
     monkeypatch.setattr(score_stats, "LOAD_LIMIT", 512)
     # the files' identity hash reads through a 1 MB buffer, a peak of its own that would hide ~100
     # bytes a row at these sizes; it is not what is measured here
     monkeypatch.setattr(score_mod, "score_inputs", lambda *paths: {})
+
+
+def test_score_holds_no_per_row_array(tmp_path, monkeypatch):
+    """While the chunks stream, nothing as long as the dump is alive, not even the mask file's
+    per-row keys (tensors, found by the garbage collector), and the traced (numpy, Python) peak does
+    not grow with the rows. The version that kept per-row arrays fails both: 4 float32/float64
+    tensors of N rows, and ~128 traced bytes a row; the MaskFile that read its per-row keys whole at
+    open fails the first (test_the_scan_sees_per_row_keys_held_whole)."""
+    _quiet(monkeypatch)
     assert CHUNK * V < 1024
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ops' thread pool costs ~10 ms a call of tiny chunks on a busy machine
     try:
-        peaks = _peaks(tmp_path, monkeypatch)
+        peaks = {}
+        for n in (1024, 8192):
+            masks, training = _dumps(tmp_path, n, n, entries=False)
+            assert _half_way_scan(monkeypatch, masks, training, n) == []
+            tracemalloc.start()
+            score_files(masks, training, chunk_rows=CHUNK, progress=False)
+            peaks[n] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
     finally:
         torch.set_num_threads(threads)
     grown = peaks[8192] - peaks[1024]
@@ -132,32 +143,53 @@ def test_score_holds_no_per_row_array(tmp_path, monkeypatch):
     assert grown < 3 * (8192 - 1024), peaks
 
 
-def _peaks(tmp_path, monkeypatch) -> dict:
-    """Rows -> traced peak of score_files, after checking half-way that no per-row tensor lives."""
-    peaks = {}
-    for n in (1024, 8192):
-        masks, training = _dumps(tmp_path, n, n, entries=False)
-        seen = []
-        real_add = score_stats.ReportStream.add
+class _WholeKey(mask_file.RowKey):
+    """A per-row key read whole at open and sliced in memory: what MaskFile did before RowKey."""
 
-        added = [0]
+    def __init__(self, key: mask_file.RowKey):
+        self.key, self.shape, self.dtype, self.t = key.key, key.shape, key.dtype, key.whole()
 
-        def add(self, *cols, _n=n, _seen=seen, _added=added, _masks=masks):
-            _added[0] += cols[0].size
-            if not _seen and _added[0] > _n // 2:  # half-way through the rows
-                mf = next(m for m in _live(MaskFile) if m.path == _masks)
-                own = [mf.offsets, mf.sampled, mf.logprobs, mf.kept_mass, *mf.extras.values()]
-                keys = {t.untyped_storage().data_ptr() for t in own if t is not None}
-                _seen.append(_per_row_arrays(_n, before, keys))
-            return real_add(self, *cols)
+    def __getitem__(self, index):
+        return self.t[index]
 
-        monkeypatch.setattr(score_stats.ReportStream, "add", add)
-        before = {id(o): o for o in _live(torch.Tensor)}  # kept alive, so no id is reused
-        score_files(masks, training, chunk_rows=CHUNK, progress=False)  # warm: first-call allocations
+
+def test_the_scan_sees_per_row_keys_held_whole(tmp_path, monkeypatch):
+    """The scan of the memory test finds a MaskFile's per-row keys when they are held whole (so it
+    would fail the MaskFile that read them at open)."""
+    _quiet(monkeypatch)
+    real_open = mask_file.MaskFile._open
+
+    def whole_open(self):
+        real_open(self)
+        for k in ("offsets", "sampled", "logprobs", "kept_mass"):
+            setattr(self, k, _WholeKey(getattr(self, k)))
+        self.extras = {k: _WholeKey(v) for k, v in self.extras.items()}
+
+    monkeypatch.setattr(mask_file.MaskFile, "_open", whole_open)
+    n = 1024
+    masks, training = _dumps(tmp_path, n, n, entries=False)
+    found = _half_way_scan(monkeypatch, masks, training, n)
+    assert (torch.int64, (n + 1,)) in found and (torch.float32, (n,)) in found, found
+
+
+def _half_way_scan(monkeypatch, masks, training, n) -> list:
+    """Scores the files (chunks of CHUNK rows) and returns the tensors of n elements or more alive
+    half-way through the rows (_per_row_arrays)."""
+    seen = []
+    real_add = score_stats.ReportStream.add
+    added = [0]
+
+    def add(self, *cols):
+        added[0] += cols[0].size
+        if not seen and added[0] > n // 2:  # half-way through the rows
+            seen.append(_per_row_arrays(n, before))
+        return real_add(self, *cols)
+
+    monkeypatch.setattr(score_stats.ReportStream, "add", add)
+    before = {id(o): o for o in _live(torch.Tensor)}  # kept alive, so no id is reused
+    try:
+        score_files(masks, training, chunk_rows=CHUNK, progress=False)  # also warms first-call allocations
+    finally:
         monkeypatch.setattr(score_stats.ReportStream, "add", real_add)
-        assert seen and seen[0] == [], seen
-        tracemalloc.start()
-        score_files(masks, training, chunk_rows=CHUNK, progress=False)
-        peaks[n] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    return peaks
+    assert seen
+    return seen[0]
