@@ -117,6 +117,7 @@ def _quiet(monkeypatch):
     monkeypatch.setattr(score_mod, "score_inputs", lambda *paths: {})
 
 
+@pytest.mark.slow  # a memory measurement: seconds
 def test_score_holds_no_per_row_array(tmp_path, monkeypatch):
     """While the chunks stream, nothing as long as the dump is alive, not even the mask file's
     per-row keys (tensors, found by the garbage collector), and the traced (numpy, Python) peak does
