@@ -34,7 +34,8 @@ def test_signal_during_capture_leaves_no_temp_file(tmp_path, sig):
     while not glob.glob(str(tmp_path / ".m.safetensors.*.tmp")):  # the capture is writing
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    proc.send_signal(sig)
+    _pause(proc)
+    _deliver(proc, sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -61,8 +62,22 @@ def _score(tmp_path, env, js, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _pause(proc):
+    """SIGSTOP: the run cannot finish between this check and the signal the test sends next (a fast
+    run did, and exited 0 before the signal landed)."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert proc.poll() is None, proc.communicate()  # stopped mid-run, not finished
+
+
+def _deliver(proc, sig):
+    """The signal, then SIGCONT: it is handled as the run resumes, mid-run."""
+    proc.send_signal(sig)
+    os.kill(proc.pid, signal.SIGCONT)
+
+
 def _mid_run(proc, opened="t.safetensors"):
-    """Wait until the process has the training dump open (Linux /proc): past start-up, scoring."""
+    """Wait until the process has the training dump open (Linux /proc): past start-up, scoring; then
+    pause it there (_pause)."""
     deadline = time.monotonic() + 120
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -73,8 +88,8 @@ def _mid_run(proc, opened="t.safetensors"):
         if any(f.endswith(opened) for f in fds):
             break
         time.sleep(0.05)
-    time.sleep(0.3)
-    assert proc.poll() is None, proc.communicate()  # still scoring: the signal lands mid-run
+    time.sleep(0.1)
+    _pause(proc)
 
 
 @pytest.mark.slow
@@ -85,7 +100,7 @@ def test_signal_during_score_keeps_the_existing_report(tmp_path, sig):
     (tmp_path / "s.json").write_text(old)
     proc = _score(tmp_path, env, "s.json")
     _mid_run(proc)
-    proc.send_signal(sig)
+    _deliver(proc, sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -102,7 +117,7 @@ def test_score_killed_then_resumed_gives_the_uninterrupted_report(tmp_path):
     env = _score_inputs(tmp_path)
     proc = _score(tmp_path, env, "s.json")
     _mid_run(proc)
-    proc.kill()
+    proc.kill()  # SIGKILL ends a stopped process too
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors", "r.safetensors", "t.safetensors"]
