@@ -17,6 +17,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -243,6 +244,14 @@ HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= cpu_flags()
 
 
 # ---- help, version, info ------------------------------------------------------------------------
+
+
+# ---- children that must see Ctrl-C -------------------------------------------------------------
+def restore_ctrl_c() -> None:
+    """preexec_fn for a child the test sends SIGINT: a job started in the background by a
+    non-interactive shell (CI runners, `make test &`) inherits SIGINT ignored, and Python then installs
+    no KeyboardInterrupt handler; restore the default, as an interactive terminal has it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # ---- torchrun from the tests -------------------------------------------------------------------------

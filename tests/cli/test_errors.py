@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import N, assert_clean, assert_one_line_error, rollout_tensors, run, write
+from tests.helpers import N, assert_clean, assert_one_line_error, restore_ctrl_c, rollout_tensors, run, write
 
 
 @pytest.fixture
@@ -267,11 +267,8 @@ def test_ctrl_c_during_start_up_is_one_line_130(entry, tmp_path):
     cmd = [script, "inspect", str(fifo)] if entry == "script" else [sys.executable, "-m", "mask_replay", "inspect",
                                                                      str(fifo)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    # A job started in the background by a non-interactive shell (CI runners, `cmd &`) inherits
-    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler: restore the default,
-    # as an interactive terminal has it.
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=restore_ctrl_c)
     try:
         _wait_until_torch_loads(proc)
         proc.send_signal(signal.SIGINT)

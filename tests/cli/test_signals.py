@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.helpers import restore_ctrl_c
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -59,7 +61,7 @@ def _score_inputs(tmp_path, rows=40000, vocab=256):
 def _score(tmp_path, env, js, *extra):
     return subprocess.Popen([sys.executable, "-m", "mask_replay", "score", "--masks", "m.safetensors", "--training",
                              "t.safetensors", "--json", js, "--chunk-rows", "8", *extra], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=restore_ctrl_c)
 
 
 def _pause(proc):
