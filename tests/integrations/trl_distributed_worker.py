@@ -76,6 +76,8 @@ def main() -> None:
     assert [h["step"] for h in steps] == [1, 5], trainer.state.log_history
     assert all(0 < h["replay/kept_mass/mean"] < 1 for h in steps), steps
     print(f"rank {rank}: ok, kept mass {[round(h['replay/kept_mass/mean'], 4) for h in steps]}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()  # explicit teardown, not left to interpreter shutdown (trl_fsdp_worker.py)
 
 
 if __name__ == "__main__":
