@@ -13,7 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer  # noqa: E402
 from tests.helpers import hidden_ref  # noqa: E402
-from tests.integrations.trl_helpers import V, grpo_args, prompts, reward_len, tiny_model, tiny_tokenizer  # noqa: E402
+from tests.integrations.trl_helpers import V, grpo_args, prompts, replayed_batch, reward_len, tiny_model, tiny_tokenizer  # noqa: E402
 
 T = 0.9
 
@@ -21,19 +21,9 @@ T = 0.9
 def check_batch(trainer, rank: int) -> None:
     """This rank's log-probs against a float64 dense reference over this rank's own supports."""
     model = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
-    trainer.model.train()
-    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    k = batch["completion_ids"].shape[1]
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    trainer._replay_active = batch[INDEX_KEY]
-    try:
-        lp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention, k)
-    finally:
-        trainer._replay_active = None
+    lp, batch, input_ids, hidden, k = replayed_batch(trainer, model)
     masks = [trainer._replay_masks[i] for i in batch[INDEX_KEY].tolist()]
     assert all(int(m.lengths().max()) < V for m in masks), "nothing was cut: the check would be vacuous"
-    hidden = model.model(input_ids=input_ids, attention_mask=attention).last_hidden_state[:, :-1][:, -k:]
     ref = torch.zeros(lp.shape, dtype=torch.float64)
     for b, m in enumerate(masks):
         n = m.num_rows
