@@ -19,7 +19,8 @@ ifeq ($(FORCE_CUDA),1)
 export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
-.PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs venv-vllm experiment-trl
+.PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs venv-vllm experiment-trl \
+	model-export check-vllm-support bench-vllm-support
 
 $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -135,6 +136,19 @@ venv-vllm: build-vllm/.built
 check-vllm-logprobs: $(VLLM_VENV)/.deps
 	$(MAKE) -j2 --output-sync=target build $(VENV)/.deps-hf
 	MASK_REPLAY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m tests.sampler.vllm_logprobs_engine $(if $(RECORD),--record)
+
+# mask_replay's vLLM plugin on the real engine (tests/integrations/vllm_support_engine.py): every row against the
+# N = V processed log-probs of the same step, fp32 and bf16, and vLLM's machinery; RECORD=1 rewrites the CI
+# fixture tests/fixtures/vllm_support_blocks.json. bench-vllm-support: its cost (benchmarks/bench_vllm_support.py)
+VLLM_SUPPORT_RUN = MASK_REPLAY_VLLM_SUPPORT=1 VLLM_CPU_KVCACHE_SPACE=1 MASK_REPLAY_EXTENSION=$(VLLM_EXT) $(VLLM_PY)
+model-export: $(VENV)/.deps-hf build
+	$(PY) -c "from tests.sampler.vllm_logprobs_engine import export_model; print(export_model())"
+check-vllm-support: venv-vllm
+	$(MAKE) model-export
+	$(VLLM_SUPPORT_RUN) -m tests.integrations.vllm_support_engine $(if $(RECORD),--record tests/fixtures/vllm_support_blocks.json)
+bench-vllm-support: venv-vllm
+	$(MAKE) model-export
+	$(VLLM_SUPPORT_RUN) benchmarks/bench_vllm_support.py
 
 # one colocated engine per process: the two vLLM runs are two calls (the second adds its run to the first's JSON)
 TRL_FLAGS = --trainer trl --steps $(TRL_STEPS) --prompts-per-step 4 --group-size 4 --max-new-tokens 16 --lr 1e-5 --out $(TRL_OUT)

