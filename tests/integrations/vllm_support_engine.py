@@ -147,7 +147,8 @@ def check_machinery(llm, tokenizer) -> dict:
     text = full.text
     stop = text[len(text) // 2: len(text) // 2 + 3] if len(text) > 8 else None
     if stop and stop.strip():
-        cut = llm.generate([PROMPTS[2]], SamplingParams(**{**_args(base), "stop": [stop]}), use_tqdm=False)[0].outputs[0]
+        cut_params = SamplingParams(**{**_args(base), "stop": [stop]})
+        cut = llm.generate([PROMPTS[2]], cut_params, use_tqdm=False)[0].outputs[0]
         if rows_match(cut, "stop_string") and rows_match(full, "stop_string_reference"):
             n = len(cut.token_ids)
             if n >= len(full.token_ids) or not np.array_equal(cut.sampling_support.token_ids,

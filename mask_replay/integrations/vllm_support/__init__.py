@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mask_replay.integrations.vllm_support import _patching
+from mask_replay.integrations.vllm_support import _patching, outputs, sampler, serving
 
 ENV = "MASK_REPLAY_VLLM_SUPPORT"
 # vLLM releases whose patched functions were read (the V1 Sampler's forward / sample, LogprobsProcessor.
@@ -70,8 +70,6 @@ def install() -> None:
     from vllm.v1.engine.output_processor import RequestState
     from vllm.v1.sample import sampler as v1_sampler
     from vllm.v1.worker.gpu.sample import sampler as v2_sampler
-
-    from mask_replay.integrations.vllm_support import outputs, sampler, serving
 
     check_version(vllm.__version__)
     sampler.install_v1(v1_sampler.Sampler, sampling_eps=v1_sampler._SAMPLING_EPS,

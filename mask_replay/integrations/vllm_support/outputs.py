@@ -6,15 +6,15 @@ Follows vLLM 0.32.0, `vllm/v1/engine/logprobs.py` and `vllm/v1/engine/output_pro
   than the log-probs, the extra columns are the sampler half's blocks: they are decoded into one id array
   per token, kept on the processor, and vLLM's own code sees the ids it always saw.
 - `RequestState._new_completion_output(token_ids, ...)` builds the `CompletionOutput`; the wrapper sets
-  its `sampling_support` (a `wire.SupportRows`, one row per token of `token_ids`: all of them, or in
+  its `sampling_support` (a `SupportRows`, one row per token of `token_ids`: all of them, or in
   DELTA streaming the new ones, as vLLM slices the log-probs). A completion some of whose tokens came
   without blocks gets `sampling_support = None`: never a support that is not the engine's.
 """
 from __future__ import annotations
 
 from mask_replay.integrations.vllm_support import _patching, wire
+from mask_replay.sampler.adapters.vllm_support import FIELD
 
-ATTRIBUTE = "sampling_support"
 _ROWS = "_mask_replay_rows"  # LogprobsProcessor: the decoded rows so far (None once a token came without)
 _VOCAB = "_mask_replay_vocab"
 _SENT = "_mask_replay_sent"  # rows already handed out (DELTA outputs)
@@ -65,6 +65,6 @@ def _attaching_output(original, delta_kind):
                     setattr(processor, _SENT, sent + new)
             elif len(output.token_ids) == len(rows):
                 support = wire.join(rows, vocab)
-        setattr(output, ATTRIBUTE, support)
+        setattr(output, FIELD, support)
         return output
     return _new_completion_output

@@ -11,8 +11,7 @@ choice per completion, `index` = the completion's index). Both choice classes al
 from __future__ import annotations
 
 from mask_replay.integrations.vllm_support import _patching
-from mask_replay.integrations.vllm_support.outputs import ATTRIBUTE
-from mask_replay.sampler.adapters.vllm_support import support_to_json
+from mask_replay.sampler.adapters.vllm_support import FIELD, support_to_json
 
 
 def install(completion_cls, chat_cls) -> None:
@@ -21,9 +20,9 @@ def install(completion_cls, chat_cls) -> None:
 
 
 def _attach(choice, output) -> None:
-    support = getattr(output, ATTRIBUTE, None)
+    support = getattr(output, FIELD, None)
     if support is not None:
-        setattr(choice, ATTRIBUTE, support_to_json(support))
+        setattr(choice, FIELD, support_to_json(support))
 
 
 def _completion_response(original):
