@@ -17,17 +17,18 @@ Nothing is recomputed on the trainer side.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Optional
 
 from mask_replay.errors import EngineOutputError, InputError
+from mask_replay.integrations._shadow import shadowed
 from mask_replay.mask import SamplingMask
 from mask_replay.sampler.adapters.vllm import mask_from_vllm
 from mask_replay.sampler.adapters.vllm_logprobs import VllmLogprobsSettings, mask_from_trl_vllm, vllm_logprobs_settings
 
 __all__ = ["configure_engine", "recording", "sampled_first"]
 
-_SET_BY_REPLAY = {"temperature", "top_k", "top_p", "min_p", "logprobs", "logprobs_mode"}
+_SET_BY_REPLAY = {"top_k", "top_p", "min_p", "logprobs", "logprobs_mode"}
 
 
 def configure_engine(engine, *, temperature: float, top_k: Optional[int], top_p: Optional[float],
@@ -97,12 +98,8 @@ def recording(engine, *, temperature: float, vocab_size: int):
                                               temperature=temperature, vocab_size=vocab_size)
         return prompt_ids, completion_ids, sampled_first(completion_ids, logprobs, token_ids), token_ids
 
-    engine.generate = recording_generate  # instance attributes: shadow the methods for this call only
-    if raw_generate is not None:
-        llm.generate = llm_generate
-    try:
-        yield lambda: captured.get("mask")
-    finally:
-        del engine.generate
+    with ExitStack() as stack:  # instance attributes: shadow the methods for this call only
+        stack.enter_context(shadowed(engine, "generate", recording_generate))
         if raw_generate is not None:
-            del llm.generate
+            stack.enter_context(shadowed(llm, "generate", llm_generate))
+        yield lambda: captured.get("mask")
