@@ -95,7 +95,8 @@ def recording(engine, *, temperature: float, vocab_size: int):
                                     "with their token ids: replay cannot know the support (vLLM with "
                                     "logprobs_mode='processed_logprobs' and logprobs >= 1 is needed)")
         captured["mask"] = mask_from_trl_vllm(completion_ids, logprobs, token_ids, requested=engine.logprobs,
-                                              temperature=temperature, vocab_size=vocab_size)
+                                              temperature=temperature, vocab_size=vocab_size,
+                                              top_k=getattr(engine, "top_k", None))
         return prompt_ids, completion_ids, sampled_first(completion_ids, logprobs, token_ids), token_ids
 
     with ExitStack() as stack:  # instance attributes: shadow the methods for this call only
