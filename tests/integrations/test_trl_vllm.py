@@ -186,7 +186,7 @@ def test_vllm_server_mode_takes_the_same_path(tmp_path, fake_vllm, monkeypatch):
 
 
 def test_vllm_generation_kwargs_temperature_is_the_same_rule_as_transformers(tmp_path, fake_vllm):
-    with pytest.raises(InputError, match=r"generation_kwargs temperature=0\.5 differs from GRPOConfig\.temperature=1\.0"):
+    with pytest.raises(InputError, match=r"generation_kwargs temperature=0\.5 differs from GRPOConfig\.temperature"):
         make(tmp_path, top_k=5, generation_kwargs={"temperature": 0.5})
     assert make(tmp_path, top_k=5, generation_kwargs={"temperature": 1.0}).vllm_generation.logprobs == 6
 

@@ -267,7 +267,7 @@ def _completion(label: str, key: list, tokens: list, positions: list, need: _Nee
             best = max(vals.values())
             if not -math.inf < vals[tok] <= 0:
                 raise EngineOutputError(f"{where}: greedy (temperature 0) but the generated token {tok} has log-prob "
-                                        f"{vals[tok]} (null / -inf, or above 0): not a log-probability it was drawn with")
+                                        f"{vals[tok]} (null / -inf, or above 0): not a log-probability")
             if vals[tok] < best:
                 raise EngineOutputError(f"{where}: greedy (temperature 0) but the generated token {tok} is not the "
                                         "most probable entry")
