@@ -231,7 +231,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
                              f"GRPOConfig.temperature={self.temperature!r}: replay renormalises at GRPOConfig's")
         top_k = c.top_k or self._replay_top_k_cap
         eos = c.eos_token_id if c.eos_token_id is not None else self.eos_token_ids  # where generate stops
-        eos = [int(e) for e in (eos.tolist() if hasattr(eos, "tolist") else eos)] if not isinstance(eos, int) else [eos]
+        eos = eos.tolist() if isinstance(eos, torch.Tensor) else eos
+        eos = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
         return float(c.temperature), top_k, c.top_p, c.min_p, eos
 
     def _source(self, key: str) -> str:
