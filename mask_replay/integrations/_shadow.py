@@ -1,24 +1,23 @@
-"""`shadowed(obj, name, value)`: an instance attribute set for the duration of a `with` block, then
-exactly what was there before put back: the instance's own attribute (a wrapper a user or another
-library installed on it) restored as it was, or, where there was none, the attribute removed so that
-the class's method shows through again. The integrations' recording wrappers of `generate` use it."""
+"""Instance attributes replaced for the duration of a call and put back exactly: what the instance itself
+held before (a user's or a library's wrapper included) is restored, and an attribute it did not hold is
+removed, so the class's own method shows through again."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 
-__all__ = ["shadowed"]
-
-_ABSENT = object()
+_MISSING = object()
 
 
 @contextmanager
-def shadowed(obj, name: str, value):
-    before = vars(obj).get(name, _ABSENT)  # the instance's own attribute only, never the class's
-    setattr(obj, name, value)
+def shadowed(obj, **attributes):
+    saved = {name: vars(obj).get(name, _MISSING) for name in attributes}
+    for name, value in attributes.items():
+        setattr(obj, name, value)
     try:
         yield
     finally:
-        if before is _ABSENT:
-            vars(obj).pop(name, None)
-        else:
-            setattr(obj, name, before)
+        for name, old in saved.items():
+            if old is _MISSING:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, old)

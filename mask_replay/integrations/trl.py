@@ -19,13 +19,16 @@ takes every GRPOTrainer argument. What it changes (read against trl 1.16.0, trai
   is the whole vocabulary keeps TRL's own log-prob, so with no truncation nothing changes at all.
 - metrics `replay/kept_mass/mean` and `replay/support_size/mean` in TRL's logs.
 
-- vLLM generation (`use_vllm=True`, colocate or server; `_trl_vllm.py`): the engine is asked for the
-  processed log-probs that show the whole support (top_k + 1, or V, or `replay_top_k_cap` + 1 with that
-  top_k added) and each completion's support is read off them (or off the engine's sampling masks);
-  TRL's sampling log-prob is handed the sampled token's entry. Never recomputed on the trainer side.
+- vLLM generation (`use_vllm=True`, colocate or server; `_trl_vllm.py`): with mask_replay's vLLM plugin
+  on (MASK_REPLAY_VLLM_SUPPORT=1 where vLLM starts) each completion's support comes with the engine's
+  output and vLLM is asked for nothing more than plain TRL asks; without it, the engine is asked for the
+  processed log-probs that show the support (top_k + 1, or `replay_top_k_cap` + 1 with that top_k added;
+  top-p / min-p alone is refused at construction with the fix) and TRL's sampling log-prob is handed the
+  sampled token's entry. Never recomputed on the trainer side.
 
 Public API: `ReplayGRPOTrainer(*GRPOTrainer args, replay_top_k_cap=None, **GRPOTrainer kwargs)`,
-`INDEX_KEY`, `TESTED_TRL`; attribute `replay_vllm_settings` (vLLM mode: what the engine was asked for).
+`INDEX_KEY`, `TESTED_TRL`; attributes `replay_vllm_support` (vLLM mode: where the supports come from) and
+`replay_vllm_settings` (the processed log-probs the engine was asked for; None with the plugin).
 
 Not built yet (each a clear error): transformers continuous batching, tools / environments /
 rollout_func (their completions hold tokens nobody sampled), models with a logit multiplier other
@@ -172,7 +175,7 @@ def _recording_generate(model, chain: list, recorder: MaskRecorder, eos, capture
         captured["output"] = original(*args, **kwargs)
         return captured["output"]
 
-    with shadowed(model, "generate", generate):  # an instance attribute: shadows the method for this call only
+    with shadowed(model, generate=generate):  # an instance attribute: shadows the method for this call only
         yield
 
 
@@ -202,11 +205,12 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self._replay_owned = {"train": [], "eval": []}  # ids of each mode's latest generation
         self._replay_next = 0
         self._replay_active = None  # replay_index [B] of the batch being scored
-        self.replay_vllm_settings = None
-        if self.use_vllm:  # the engine is asked for the log-probs that show the support (_trl_vllm.py)
-            self.replay_vllm_settings = _trl_vllm.configure_engine(
+        self.replay_vllm_support = self.replay_vllm_settings = None
+        if self.use_vllm:  # the plugin's supports, or the log-probs that show them (_trl_vllm.py)
+            self.replay_vllm_support = _trl_vllm.configure_engine(
                 self.vllm_generation, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                 min_p=self.min_p, vocab_size=self._replay_vocab_size(), top_k_cap=replay_top_k_cap)
+            self.replay_vllm_settings = self.replay_vllm_support.settings
 
     # -- generation ---------------------------------------------------------------------------------
     def _sampling(self):
@@ -254,7 +258,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm:
             with _trl_vllm.recording(self.vllm_generation, temperature=self.temperature,
-                                     vocab_size=self._replay_vocab_size()) as recorded:
+                                     vocab_size=self._replay_vocab_size(), support=self.replay_vllm_support,
+                                     accelerator=self.accelerator) as recorded:
                 completion_ids, logprobs = super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
             mask = recorded()

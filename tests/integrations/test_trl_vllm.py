@@ -32,10 +32,11 @@ class FakeVLLMGeneration:
     @torch.no_grad()
     def generate(self, prompts, images, num_generations, profiler):
         self.calls.append(dict(logprobs=self.logprobs, top_k=self.top_k))
+        self.last_supports = []
         g = torch.Generator().manual_seed(len(self.calls))
         completions, lps, ids = [], [], []
         for prompt in prompts:
-            seq, seq_lp, seq_ids = [], [], []
+            seq, seq_lp, seq_ids, seq_support = [], [], [], []
             ctx = list(prompt)
             for _ in range(self.max_completion_length):
                 z = self.model(input_ids=torch.tensor([ctx])).logits[0, -1].double() / self.temperature
@@ -44,6 +45,7 @@ class FakeVLLMGeneration:
                 x = torch.where(z >= cut, z, torch.tensor(-math.inf, dtype=z.dtype))
                 logp = torch.log_softmax(x, -1)
                 tok = int(torch.multinomial(logp.exp(), 1, generator=g))
+                seq_support.append(torch.nonzero(torch.isfinite(logp))[:, 0].tolist())
                 order = torch.argsort(logp, descending=True)[:self.logprobs].tolist()
                 keys = order + ([tok] if tok not in order else [])
                 keys.sort(key=lambda i: -float(logp[i]))  # TRL sorts by rank
@@ -53,6 +55,7 @@ class FakeVLLMGeneration:
                 ctx.append(tok)
                 if tok == 1:
                     break
+            self.last_supports.append(seq_support)  # what the plugin would report (PluginVLLMGeneration)
             completions.append(seq)
             lps.append(seq_lp)
             ids.append(seq_ids)
@@ -93,13 +96,22 @@ def test_vllm_mode_asks_for_top_k_plus_one_and_builds_each_completions_support(t
     assert trainer._metrics["train"]["replay/support_size/mean"][-1] == 5.0
 
 
-def test_vllm_top_p_only_needs_the_vocabulary_or_a_cap(tmp_path, fake_vllm):
-    make(tmp_path, top_p=0.9)
-    assert fake_vllm.instances[-1].logprobs == V  # top-p alone bounds no support size
+def test_vllm_top_p_only_without_the_plugin_is_refused_with_the_fix(tmp_path, fake_vllm):
+    with pytest.raises(InputError, match="MASK_REPLAY_VLLM_SUPPORT=1 .*or pass replay_top_k_cap=K"):
+        make(tmp_path, top_p=0.9)  # would ask vLLM for V log-prob objects per token
     trainer = ReplayGRPOTrainer(model=tiny_model(), reward_funcs=reward_len, replay_top_k_cap=7,
                                 args=grpo_args(tmp_path, use_vllm=True, vllm_mode="colocate", top_p=0.9),
                                 train_dataset=prompts(4), processing_class=tiny_tokenizer())
     assert trainer.vllm_generation.logprobs == 8 and trainer.vllm_generation.top_k == 7
+
+
+def test_vllm_max_logprobs_below_the_n_needed_is_refused_at_construction(tmp_path, fake_vllm, monkeypatch):
+    # vLLM's default max_logprobs is 20 and TRL builds LLM(...) without it: top_k 30 needs 31
+    config = SimpleNamespace(model_config=SimpleNamespace(max_logprobs=20))
+    monkeypatch.setattr(fake_vllm, "llm", SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config)),
+                        raising=False)
+    with pytest.raises(InputError, match="max_logprobs is 20 but replay reads the support off 31"):
+        make(tmp_path, top_k=30)
 
 
 def test_vllm_without_token_ids_is_one_clear_error(tmp_path, fake_vllm, monkeypatch):
@@ -174,7 +186,8 @@ def test_vllm_output_one_row_short_names_the_completion(tmp_path, fake_vllm, mon
 def test_vllm_server_mode_takes_the_same_path(tmp_path, fake_vllm, monkeypatch):
     # server mode: GRPOTrainer asks the server for its logprobs mode; the rest is VLLMGeneration.generate
     monkeypatch.setattr(fake_vllm, "vllm_client", SimpleNamespace(
-        get_server_info=lambda: {"model_config": {"logprobs_mode": "processed_logprobs"}}), raising=False)
+        get_server_info=lambda: {"model_config": {"logprobs_mode": "processed_logprobs"}}, base_url="http://x",
+        model="m", _post=lambda url, json: {"choices": [{"index": 0, "token_ids": [5]}]}), raising=False)
     trainer = ReplayGRPOTrainer(model=tiny_model(), reward_funcs=reward_len,
                                 args=grpo_args(tmp_path, use_vllm=True, vllm_mode="server", top_k=4),
                                 train_dataset=prompts(4), processing_class=tiny_tokenizer())

@@ -138,14 +138,20 @@ def _parse(completions: Sequence[Completion]) -> _Parsed:
         tokens = _int_list(as_list(c.tokens, f"{c.label}: token_ids") if c.tokens is not None else [],
                            f"{c.label}: token_ids", "token")
         n = len(tokens)
-        rows = _mask_rows(c, n)
-        counts = np.fromiter(map(len, rows), dtype=np.int64, count=n)
-        flat = _int_list(list(chain.from_iterable(rows)), f"{c.label}", "mask entry", counts=counts)
+        if _is_csr(c.rows):  # checked CSR (adapters.vllm_support): no Python object per entry
+            counts = np.diff(c.rows.offsets).astype(np.int64)
+            if counts.size != n:
+                raise EngineOutputError(f"{c.label}: {counts.size} support rows for {n} generated tokens")
+            flat = c.rows.token_ids.astype(np.int64)
+        else:
+            rows = _mask_rows(c, n)
+            counts = np.fromiter(map(len, rows), dtype=np.int64, count=n)
+            flat = _int_list(list(chain.from_iterable(rows)), f"{c.label}", "mask entry", counts=counts)
         ids_parts.append(flat)
         count_parts.append(counts)
         tok_parts.append(tokens)
         tlp_parts.append(_token_logprobs(c, n))
-        elp_parts.append(_entry_logprobs(c, rows, counts))
+        elp_parts.append(_entry_logprobs(c, counts))
         n_tok.append(n)
         n_ent.append(int(flat.size))
         seq_parts.append(np.full(n, ci, dtype=np.int64))
@@ -157,6 +163,11 @@ def _parse(completions: Sequence[Completion]) -> _Parsed:
 
     return _Parsed(cat(ids_parts), cat(count_parts), cat(tok_parts), cat(seq_parts), cat(pos_parts),
                    np.asarray(starts), tlp_parts, elp_parts, n_tok, n_ent)
+
+
+def _is_csr(rows) -> bool:
+    return isinstance(getattr(rows, "token_ids", None), np.ndarray) and isinstance(getattr(rows, "offsets", None),
+                                                                                   np.ndarray)
 
 
 def _mask_rows(c: Completion, n: int) -> list:
@@ -312,12 +323,12 @@ def _token_logprobs(c: Completion, n: int):
     return _check_logprobs(_float_list(vals, c.label, "log-prob"), c.label, "log-prob")
 
 
-def _entry_logprobs(c: Completion, rows: list, counts: np.ndarray):
+def _entry_logprobs(c: Completion, counts: np.ndarray):
     if c.entry_logprobs is None:
         return None
     lrows = as_list(c.entry_logprobs, f"{c.label}: sampling-mask log-probs")
-    if len(lrows) != len(rows):
-        raise EngineOutputError(f"{c.label}: {len(lrows)} rows of sampling-mask log-probs for {len(rows)} "
+    if len(lrows) != counts.size:
+        raise EngineOutputError(f"{c.label}: {len(lrows)} rows of sampling-mask log-probs for {counts.size} "
                                 "sampling-mask rows")
     out = []
     for t, (lr, k) in enumerate(zip(lrows, counts.tolist())):

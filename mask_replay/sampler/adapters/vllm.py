@@ -5,12 +5,13 @@ Accepted, alone or in a list (one entry per request, in order):
   - `RequestOutput`-like objects: `.request_id`, `.outputs` = `CompletionOutput`-like objects with
     `.index`, `.token_ids`, `.logprobs` (per position a dict token id -> Logprob or float) and
     `.sampling_mask` (a list of id lists, or an object whose `.token_ids` is one, optionally with
-    `.logprobs`: the log-prob of every mask id, rows like the ids);
+    `.logprobs`: the log-prob of every mask id, rows like the ids), or `.sampling_support` (mask_replay's
+    vLLM plugin: adapters/vllm_support.py);
   - `CompletionOutput`-like objects on their own (one request each);
   - the JSON of vLLM's token-in/token-out `/inference/v1/generate` (and of the OpenAI-compatible
     endpoints that carry the same fields): `{"request_id", "choices": [{"index", "token_ids",
     "logprobs": {"content": [{"logprob": ...}, ...]}, "sampling_mask": [[...], ...],
-    "sampling_mask_logprobs": [[...], ...]}]}`.
+    "sampling_mask_logprobs": [[...], ...]}]}`, or a choice's `sampling_support` (the plugin's JSON).
 Field shapes and where they were read: docs/formats.md, "Engine outputs".
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any, Optional
 from mask_replay.errors import EngineOutputError
 from mask_replay.mask import adapter
 from mask_replay.sampler.adapters.common import Completion, as_list, build_mask, get, has
+from mask_replay.sampler.adapters.vllm_support import FIELD as SUPPORT_FIELD
+from mask_replay.sampler.adapters.vllm_support import support_rows
 
 
 @adapter("from_vllm")
@@ -82,7 +85,10 @@ def _completion(ch, label: str, key: list) -> Completion:
         tokens = as_list(tokens, f"{label}: token_ids")
     mask = get(ch, "sampling_mask")
     rows, entry_lp = None, get(ch, "sampling_mask_logprobs")
-    if mask is not None:
+    support = get(ch, SUPPORT_FIELD)
+    if support is not None and mask is None:  # mask_replay's vLLM plugin
+        rows = support_rows(support, label)
+    elif mask is not None:
         if isinstance(mask, (list, tuple)):
             rows = mask
         elif has(mask, "token_ids"):  # vllm.outputs.SamplingMask (or its JSON)
