@@ -156,7 +156,7 @@ def _unsampled_rows(tokens, vocab_size: int, like: SamplingMask) -> SamplingMask
 def _adapter_state(model):
     """A PEFT model's (adapters enabled, active adapters), None for a plain model: TRL scores its
     reference with the policy's own module, the adapter disabled or switched to "ref"."""
-    if not hasattr(model, "peft_config"):
+    if not hasattr(model, "peft_config") or not hasattr(model, "has_active_enabled_adapter"):  # peft's PeftModel
         return None
     return bool(model.has_active_enabled_adapter), tuple(model.active_adapters)
 

@@ -33,6 +33,7 @@ print(before, small, threads())
 """
 
 
+@pytest.mark.slow  # a fresh interpreter (seconds): kept out of the fast loop, run by make test
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_tiny_inputs_never_wake_the_thread_pool():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
