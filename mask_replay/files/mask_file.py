@@ -33,6 +33,7 @@ from mask_replay.version import __version__
 
 FORMAT_VERSION = "1"
 
+
 def file_metadata(metadata: dict) -> dict:
     """The safetensors string map of a mask file: structured values as JSON, keys sorted (also
     inside the JSON), so identical runs write identical bytes."""
@@ -157,6 +158,7 @@ class MaskFile:
 
     def _open(self):
         d, path = self._dump, self.path
+        check_format_version(d.metadata, path)  # before anything else is read
         check_unique_keys(path)
         check_mask_header(path, header_entries(d))  # before anything is read: shapes bound what is
         self.nnz = d.shape("token_ids")[0]
@@ -179,7 +181,6 @@ class MaskFile:
                 for a, block in key.blocks():
                     check_row_values({name: block}, source=path, row_offset=a)
         self.metadata = dict(self._dump.metadata)
-        check_format_version(self.metadata, path)
 
     def rows(self, a: int, b: int, vocab_size: int) -> SamplingMask:
         """Rows [a, b) with their support ids (and entry log-probs, when the file has them), checked
@@ -307,12 +308,10 @@ def read_mask_tensors(path, *, check: bool = True):
                 header = Header(path, fd)
             finally:
                 os.close(fd)
+            check_format_version(header.metadata, path)
             check_unique_keys(path)
             check_mask_header(path, {k: (v[0], v[1]) for k, v in header.tensors.items()})
-    tensors, meta = read_all(path)
-    if check:
-        check_format_version(meta, path)
-    return tensors, meta
+    return read_all(path)
 
 
 # Room kept in a streamed mask file's header for the log-prob mismatch report, which is known only
