@@ -9,6 +9,7 @@ from mask_replay.errors import MaskFormatError, OutsideSupportError
 from mask_replay.mask import SamplingMask
 from mask_replay.sampler.capture import capture, capture_fixed
 from mask_replay.sampler import adapters  # noqa: F401  (registers SamplingMask.from_vllm & co.: mask.py doc)
+from mask_replay.files import mask_file  # noqa: F401  (registers SamplingMask.save / load: mask.py doc)
 from mask_replay.trainer.replay import full_logprobs, kept_mass, replay_logprobs, replay_logprobs_from_hidden
 from mask_replay.trainer.losses import score_centered_pg
 from mask_replay.trainer.support_logprobs import (

@@ -1,7 +1,8 @@
 """SamplingMask: the recorded support of each sampled token, as CSR over rows.
 
-Engine adapters (SamplingMask.from_vllm / from_sglang / from_padded / to_padded): the code lives in
-mask_replay/sampler/adapters/, a layer above this one, and imports SamplingMask; this module never
+Engine adapters (SamplingMask.from_vllm / from_sglang / from_padded / to_padded) and the mask file
+(SamplingMask.save / load): the code lives in mask_replay/sampler/adapters/ and
+mask_replay/files/mask_file.py, a layer above this one, and imports SamplingMask; this module never
 imports it. Each adapter registers its function under the method's name with ``@adapter("from_x")``
 when its module is imported (mask_replay/__init__ imports mask_replay.sampler.adapters, which imports
 every adapter), and the method here, which keeps its signature and doc, calls ``_adapter("from_x")``.
@@ -12,7 +13,6 @@ neither.
 """
 from __future__ import annotations
 
-import json
 import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -22,10 +22,8 @@ import torch
 from mask_replay import csr
 from mask_replay.errors import MaskFormatError
 from mask_replay.row_order import align_mask
-from mask_replay.version import __version__
 
 SEMANTICS = "mask-replay/support-v1"
-FORMAT_VERSION = "1"
 _ROW_EXTRAS = ("sampled", "logprobs", "kept_mass")
 _EXTRA_DTYPES = {"sampled": torch.int64, "logprobs": torch.float32, "kept_mass": torch.float32}
 ENTRY_KEY = "entry_logprobs"  # the one per-entry column: float32 [nnz], aligned with token_ids
@@ -48,7 +46,7 @@ def _adapter(method: str) -> Callable:
         return _ADAPTERS[method]
     except KeyError:  # only when mask_replay.mask is loaded without the package's __init__ having run
         raise ImportError(f"SamplingMask.{method}: its adapter is not registered; import mask_replay.sampler.adapters "
-                          "(importing mask_replay does)") from None
+                          "and mask_replay.files.mask_file (importing mask_replay does)") from None
 
 
 
@@ -230,7 +228,7 @@ class SamplingMask:
         have = [n for n in _ROW_EXTRAS + (ENTRY_KEY,) if getattr(self, n) is not None] + sorted(self.extras)
         return f"SamplingMask(rows={self.num_rows}, nnz={self.nnz}, device={self.device}, extras={have})"
 
-    # ---- files -------------------------------------------------------------------------------
+    # ---- files (files.mask_file reads and writes them; registered: module doc) ------------------
     def tensors(self) -> dict:
         out = {"token_ids": self.token_ids, "offsets": self.offsets}
         for name in _ROW_EXTRAS + (ENTRY_KEY,):
@@ -239,30 +237,17 @@ class SamplingMask:
         out.update(self.extras)
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
-    def file_metadata(self) -> dict:
-        return file_metadata(self.metadata)
-
     def save(self, path) -> None:
         """Write a safetensors file atomically (temp file in the same folder, then rename), in a
-        stable layout with sorted metadata: the same mask always gives the same bytes."""
-        from mask_replay.files.safetensors_stream import save
-
-        save(path, self.tensors(), self.file_metadata())
+        stable layout with sorted metadata: the same mask always gives the same bytes. See
+        files.mask_file (registered: module doc)."""
+        _adapter("save")(self, path)
 
     @classmethod
     def load(cls, path, device="cpu", *, validate: bool = True) -> "SamplingMask":
-        from mask_replay.files.mask_file import read_mask_tensors
-
-        tensors, meta = read_mask_tensors(path, check=validate)
-        for key in ("token_ids", "offsets"):
-            if key not in tensors:
-                raise MaskFormatError(f"missing key '{key}' (is this a mask file?)", file=str(path))
-        check_file_dtypes(tensors, str(path))
-        named = {k: tensors.pop(k) for k in _ROW_EXTRAS + (ENTRY_KEY,) if k in tensors}
-        mask = cls(tensors.pop("token_ids"), tensors.pop("offsets"), extras=tensors, metadata=meta, **named)
-        if validate:
-            mask.validate(source=str(path))
-        return mask.to(device) if str(device) != "cpu" else mask
+        """A mask file read whole, its header checked before any tensor is read (validate=False skips
+        the checks). See files.mask_file (registered: module doc)."""
+        return _adapter("load")(path, device=device, validate=validate)
 
     # ---- engine outputs and padded layouts (sampler/adapters, registered: module doc) ----------------------------
     @classmethod
@@ -299,32 +284,3 @@ class SamplingMask:
         order (``extras['position']`` when present, else mask order), sequence after sequence.
         """
         return align_mask(self, order, sequences=sequences, key=key)
-
-def file_metadata(metadata: dict) -> dict:
-    """The safetensors string map of a mask file: structured values as JSON, keys sorted (also
-    inside the JSON), so identical runs write identical bytes."""
-    meta = {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in metadata.items()}
-    meta.setdefault("semantics", SEMANTICS)  # an engine profile names itself there (mask_replay.sampler.profiles)
-    meta.update({"format_version": FORMAT_VERSION, "mask_replay_version": __version__})
-    return dict(sorted(meta.items()))
-
-
-# What each documented key of a mask file must hold (docs/formats.md); a file that breaks it is
-# refused at load, naming the key, before any value is used as an index or a step number.
-_FILE_KINDS = {"sampled": "integer", "step": "integer", "sequence": "integer", "position": "integer",
-               "logprob_mismatch": "integer", "logprobs": "float", ENTRY_KEY: "float",
-               "kept_mass": "float", "capture_logprobs": "float", "temperature": "float", "outside_support": "bool"}
-
-
-def check_file_dtypes(tensors: dict, source: str) -> None:
-    """`tensors`: key -> tensor, or key -> dtype (a file's header, checked before anything is read)."""
-    for key, kind in _FILE_KINDS.items():
-        t = tensors.get(key)
-        if t is None:
-            continue
-        dt = t if isinstance(t, torch.dtype) else t.dtype
-        ok = {"integer": not dt.is_floating_point and dt != torch.bool,
-              "float": dt.is_floating_point, "bool": dt == torch.bool}[kind]
-        if not ok:
-            raise MaskFormatError(f"{source}: key '{key}': must be {'an' if kind == 'integer' else 'a'} {kind} "
-                                  f"tensor, got {str(dt).replace('torch.', '')}")

@@ -87,6 +87,24 @@ def _check_float32(name: str, value, dtype: torch.dtype, converted: Optional[tor
             raise ValueError(f"{name} {float(value):g} {problem} in float32")
 
 
+def as_float(name: str, value) -> float:
+    """float(value) of a number, or a ValueError naming it where no float holds it (an int of 400
+    digits: Python's float() would raise a bare OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        digits = len(str(abs(int(value))))
+        raise ValueError(f"{name}: an integer of {digits} digits is beyond any floating-point value") from None
+
+
+def ignore_index_value(value, op: str = "") -> int:
+    """The label id that marks a position without a mask row: an integer (a string or a float would
+    compare unequal to every label and silently keep every position)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{op + ': ' if op else ''}ignore_index must be an integer label id, got {value!r}")
+    return int(value)
+
+
 def check_numeric_tensor(name: str, value: torch.Tensor) -> None:
     """A bool or complex tensor is no parameter (True would silently become 1.0): one message for
     every path that takes per-row parameters (here, layouts.py, segments.py)."""
@@ -111,13 +129,14 @@ def _per_row(value, n: int, dtype, device, name: str, off) -> torch.Tensor:
     if not is_number(value):
         raise TypeError(f"{name}: expected a number, a tensor or None, got {type(value).__name__}")
     if dtype == torch.int64:
-        if not float(value).is_integer():
+        if not isinstance(value, numbers.Integral) and not as_float(name, value).is_integer():
             raise ValueError(f"{name}: expected an integer, got {value}")
         value = int(value)
         if not _INT64[0] <= value <= _INT64[1]:
-            raise ValueError(f"{name}: {value} does not fit in a 64-bit integer")
+            shown = value if abs(value) < 10 ** 30 else f"an integer of {len(str(abs(value)))} digits"
+            raise ValueError(f"{name}: {shown} does not fit in a 64-bit integer")
     else:
-        value = float(value)
+        value = as_float(name, value)
     _check_float32(name, value, dtype)
     return torch.full((n,), value, dtype=dtype, device=device)
 
@@ -131,7 +150,7 @@ def temperature_value(temperature, op: str = ""):
         return temperature.detach()
     if not is_number(temperature):
         raise TypeError(f"{name}: expected a number or a tensor, got {type(temperature).__name__}")
-    return float(temperature)
+    return as_float(name, temperature)
 
 
 def temperature_per_row(temperature, n: int, device, *, allow_zero: bool, op: str = "",
@@ -160,7 +179,7 @@ def expand_params(n: int, device, temperature: Param, top_k: Param, top_p: Param
         ("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]"),
         ("min_p", min_p, lambda x: 0 <= x <= 1, "in [0, 1]"),
     ):
-        if is_number(v) and not ok(float(v)):
+        if is_number(v) and not ok(as_float(name, v)):
             raise ValueError(f"{name} must be {want}, got {v}")
     return (
         temperature_per_row(temperature, n, device, allow_zero=True),

@@ -75,6 +75,19 @@ def test_top_k_beyond_int64_is_named():
         mask_replay.capture(z, top_k=2 ** 70)
 
 
+def test_numbers_beyond_any_float_are_named_not_an_overflow():
+    z, m, y = small()
+    huge = 10 ** 400
+    for call, name in ((lambda: mask_replay.capture(z, temperature=huge), "temperature"),
+                       (lambda: mask_replay.capture(z, top_p=huge), "top_p"),
+                       (lambda: mask_replay.replay_logprobs(z, m, y, temperature=huge), "temperature"),
+                       (lambda: mask_replay.kept_mass(z, m, temperature=huge), "temperature")):
+        with pytest.raises(ValueError, match=rf"{name}: an integer of 401 digits is beyond any floating-point value"):
+            call()
+    with pytest.raises(ValueError, match="top_k: an integer of 401 digits does not fit in a 64-bit integer"):
+        mask_replay.capture(z, top_k=huge)
+
+
 def test_to_dense_rejects_ids_outside_the_vocabulary():
     bad = SamplingMask(torch.tensor([0, -1], dtype=torch.int32), torch.tensor([0, 1, 2]))
     with pytest.raises(MaskFormatError, match=r"to_dense: token_ids of row 1 hold an id outside \[0, 5\)"):

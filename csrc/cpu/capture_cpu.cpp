@@ -30,6 +30,7 @@
 #include "capture_cpu_select.h"
 #include "kernels/det_log.h"
 #include "kernels/kernel_math.h"
+#include "parallel_grain.h"
 
 namespace mask_replay {
 namespace cpu {
@@ -392,7 +393,9 @@ std::vector<int64_t> run_rows(const at::Tensor& logits, const Params& prm, bool 
                               bool report_errors, std::vector<RowOutcome>& outcomes) {
   const int64_t n = logits.size(0), v = logits.size(1), stride = logits.stride(0);
   const T* base = logits.const_data_ptr<T>();
-  const int64_t nchunks = std::min<int64_t>(n, std::max<int64_t>(1, at::get_num_threads()) * 8);
+  // chunks of at least kMinTaskWork logits each: a small input is one chunk, run on this thread
+  const int64_t nchunks = std::min<int64_t>(
+      {n, std::max<int64_t>(1, at::get_num_threads()) * 8, std::max<int64_t>(1, n * v / kMinTaskWork)});
   if (static_cast<int64_t>(chunk_ids.size()) < nchunks) chunk_ids.resize(nchunks);
   for (auto& c : chunk_ids) c.clear();  // keeps capacity: pooled buffers spare page faults
   chunk_start.resize(nchunks + 1);

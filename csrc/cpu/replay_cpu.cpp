@@ -15,13 +15,13 @@
 
 #include "capture_cpu_loops.h"
 #include "kernels/replay_math.h"
+#include "parallel_grain.h"
 #include "replay_checks.h"
 
 namespace mask_replay {
 namespace {
 
-constexpr int64_t kChunk = 256;       // values staged per step of a full-row pass (fits in L1)
-constexpr int64_t kSparseGrain = 64;  // rows per task when rows read a few logits each
+constexpr int64_t kChunk = 256;  // values staged per step of a full-row pass (fits in L1)
 
 template <class T, class A>
 A logit(const T* row, int64_t s1, int64_t j, A t) {
@@ -153,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_fwd_cpu(const at::Tensor& 
     using A = at::opmath_type<scalar_t>;
     const auto x = logits_view<scalar_t>(logits);
     const auto out = forward_ptrs<A>(f);
-    at::parallel_for(0, a.n, kSparseGrain, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, a.n, rows_per_task(in.nnz, a.n, 1), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const RowOut o = replay_row<scalar_t, A>(x.row(r), x.s1, in, r, fallback);
         out.logp[r] = static_cast<A>(o.logp);
@@ -183,7 +183,7 @@ at::Tensor replay_bwd_cpu(const at::Tensor& grad, const at::Tensor& logits, cons
     const auto saved = saved_ptrs<A>(sv);
     int8_t* ep = err.data_ptr<int8_t>();
     scalar_t* outp = out.data_ptr<scalar_t>();
-    at::parallel_for(0, a.n, kSparseGrain, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, a.n, rows_per_task(a.vocab), [&](int64_t r0, int64_t r1) {  // a dense row written
       for (int64_t r = r0; r < r1; ++r) {
         scalar_t* o = outp + r * vocab;
         // The saved tensors are inputs like any other: this row's offsets, ids, sampled token
@@ -222,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor> full_fwd_cpu(const at::Tensor& logits, const 
     using A = at::opmath_type<scalar_t>;
     const auto x = logits_view<scalar_t>(logits);
     const auto out = forward_ptrs<A>(f);
-    at::parallel_for(0, a.n, 1, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, a.n, rows_per_task(a.vocab), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         out.status[r] = precheck_row(in, r);
         if (out.status[r] != kReplayed) continue;
@@ -251,7 +251,7 @@ at::Tensor full_bwd_cpu(const at::Tensor& grad, const at::Tensor& logits, const 
     const auto saved = saved_ptrs<A>(sv);
     int8_t* ep = err.data_ptr<int8_t>();
     scalar_t* outp = out.data_ptr<scalar_t>();
-    at::parallel_for(0, a.n, 1, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, a.n, rows_per_task(a.vocab), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         ep[r] = precheck_row(in, r);
         if (ep[r] != kReplayed) continue;  // raised below
@@ -276,7 +276,7 @@ at::Tensor kept_mass_cpu(const at::Tensor& logits, const at::Tensor& token_ids, 
     const auto x = logits_view<scalar_t>(logits);
     A* kp = kept.data_ptr<A>();
     int8_t* sp = status.data_ptr<int8_t>();
-    at::parallel_for(0, a.n, 1, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, a.n, rows_per_task(a.vocab), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         sp[r] = precheck_row(in, r);
         if (sp[r] != kReplayed) continue;

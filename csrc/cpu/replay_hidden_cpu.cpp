@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/replay_math.h"
+#include "parallel_grain.h"
 #include "replay_checks.h"
 #include "replay_hidden.h"
 
@@ -109,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_fwd_cpu(const at::Tensor& 
     A* lp = f.logp.data_ptr<A>();
     A* lsp = f.lse.data_ptr<A>();
     int8_t* sp = f.status.data_ptr<int8_t>();
-    at::parallel_for(0, in.n, 8, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, in.n, rows_per_task(in.nnz, in.n, d), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         int8_t st = precheck_row(in, r);
         if (st != kReplayed) {
@@ -169,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(const at::Tensor& 
     scalar_t* ghp = gh.data_ptr<scalar_t>();
     // Pass 1, rows in parallel: every row checked (pass 2 reads the ids of all of them), then the
     // coefficient of every entry and grad_hidden = sum_K c_j w_j.
-    at::parallel_for(0, n, 8, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, n, rows_per_task(nnz, n, d), [&](int64_t r0, int64_t r1) {
       std::vector<A> acc(d);
       for (int64_t r = r0; r < r1; ++r) {
         int8_t e0 = precheck_row(in, r);
@@ -212,7 +213,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(const at::Tensor& 
     std::vector<char> present(vocab, 0);
     for (int64_t q = 0; q < nnz; ++q) present[sip[q]] = 1;
     // Rows of tokens in no support are zeroed here; the items write every other element once.
-    at::parallel_for(0, vocab, 1024, [&](int64_t j0, int64_t j1) {
+    at::parallel_for(0, vocab, rows_per_task(d), [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         if (present[j]) continue;
         std::memset(static_cast<void*>(gwp + j * d), 0, sizeof(scalar_t) * d);
@@ -220,7 +221,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hidden_bwd_cpu(const at::Tensor& 
       }
     });
     const std::vector<int64_t> parts = balanced_parts(items, at::get_num_threads() * 8);
-    at::parallel_for(0, static_cast<int64_t>(parts.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t nparts = static_cast<int64_t>(parts.size()) - 1;  // all on this thread when the work is small
+    at::parallel_for(0, nparts, nnz * d < kMinTaskWork ? std::max<int64_t>(nparts, 1) : 1, [&](int64_t p0, int64_t p1) {
       std::vector<A> acc(d);
       for (int64_t i = parts[p0]; i < parts[p1]; ++i) {
         const WeightItem& it = items[i];

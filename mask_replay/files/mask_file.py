@@ -27,8 +27,73 @@ import torch
 from mask_replay.csr import check_offsets, check_row_values
 from mask_replay.errors import DumpError, MaskFormatError
 from mask_replay.files.dumps import Dump, _dtname
-from mask_replay.files.safetensors_stream import MAX_HEADER, Header, StreamWriter, read_all
-from mask_replay.mask import _ROW_EXTRAS, ENTRY_KEY, SamplingMask, check_file_dtypes, file_metadata
+from mask_replay.files.safetensors_stream import MAX_HEADER, Header, StreamWriter, read_all, save
+from mask_replay.mask import _ROW_EXTRAS, ENTRY_KEY, SEMANTICS, SamplingMask, adapter
+from mask_replay.version import __version__
+
+FORMAT_VERSION = "1"
+
+
+def file_metadata(metadata: dict) -> dict:
+    """The safetensors string map of a mask file: structured values as JSON, keys sorted (also
+    inside the JSON), so identical runs write identical bytes."""
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in metadata.items()}
+    meta.setdefault("semantics", SEMANTICS)  # an engine profile names itself there (mask_replay.sampler.profiles)
+    meta.update({"format_version": FORMAT_VERSION, "mask_replay_version": __version__})
+    return dict(sorted(meta.items()))
+
+
+# What each documented key of a mask file must hold (docs/formats.md); a file that breaks it is
+# refused at load, naming the key, before any value is used as an index or a step number.
+_FILE_KINDS = {"sampled": "integer", "step": "integer", "sequence": "integer", "position": "integer",
+               "logprob_mismatch": "integer", "logprobs": "float", ENTRY_KEY: "float",
+               "kept_mass": "float", "capture_logprobs": "float", "temperature": "float", "outside_support": "bool"}
+
+
+def check_file_dtypes(tensors: dict, source: str) -> None:
+    """`tensors`: key -> tensor, or key -> dtype (a file's header, checked before anything is read)."""
+    for key, kind in _FILE_KINDS.items():
+        t = tensors.get(key)
+        if t is None:
+            continue
+        dt = t if isinstance(t, torch.dtype) else t.dtype
+        ok = {"integer": not dt.is_floating_point and dt != torch.bool,
+              "float": dt.is_floating_point, "bool": dt == torch.bool}[kind]
+        if not ok:
+            raise MaskFormatError(f"{source}: key '{key}': must be {'an' if kind == 'integer' else 'a'} {kind} "
+                                  f"tensor, got {str(dt).replace('torch.', '')}")
+
+
+def check_format_version(metadata: dict, path: str) -> None:
+    """A mask file written by another format version is refused by name; one without the key (a file
+    written by another tool) is read as this version."""
+    version = metadata.get("format_version")
+    if version is not None and version != FORMAT_VERSION:
+        raise MaskFormatError(f"format_version {version!r}: this mask_replay ({__version__}) reads format_version "
+                              f"{FORMAT_VERSION!r} (read it with the version that wrote it, or convert it)", file=path)
+
+
+@adapter("save")
+def save_mask(mask: SamplingMask, path) -> None:
+    """SamplingMask.save: a safetensors file written atomically (temp file in the same folder, then
+    rename), in a stable layout with sorted metadata: the same mask always gives the same bytes."""
+    save(path, mask.tensors(), file_metadata(mask.metadata))
+
+
+@adapter("load")
+def load_mask(path, device="cpu", *, validate: bool = True) -> SamplingMask:
+    """SamplingMask.load: the mask file at `path`, read whole (read_mask_tensors' checks first)."""
+    tensors, meta = read_mask_tensors(path, check=validate)
+    for key in ("token_ids", "offsets"):
+        if key not in tensors:
+            raise MaskFormatError(f"missing key '{key}' (is this a mask file?)", file=str(path))
+    check_file_dtypes(tensors, str(path))
+    named = {k: tensors.pop(k) for k in _ROW_EXTRAS + (ENTRY_KEY,) if k in tensors}
+    mask = SamplingMask(tensors.pop("token_ids"), tensors.pop("offsets"), extras=tensors, metadata=meta, **named)
+    if validate:
+        mask.validate(source=str(path))
+    return mask.to(device) if str(device) != "cpu" else mask
+
 
 # rows per block of the checks at open (transient memory a few MB, whatever the rows)
 CHECK_BLOCK = 1 << 20
@@ -93,6 +158,7 @@ class MaskFile:
 
     def _open(self):
         d, path = self._dump, self.path
+        check_format_version(d.metadata, path)  # before anything else is read
         check_unique_keys(path)
         check_mask_header(path, header_entries(d))  # before anything is read: shapes bound what is
         self.nnz = d.shape("token_ids")[0]
@@ -242,6 +308,7 @@ def read_mask_tensors(path, *, check: bool = True):
                 header = Header(path, fd)
             finally:
                 os.close(fd)
+            check_format_version(header.metadata, path)
             check_unique_keys(path)
             check_mask_header(path, {k: (v[0], v[1]) for k, v in header.tensors.items()})
     return read_all(path)

@@ -19,10 +19,10 @@ import torch
 
 from mask_replay.errors import DumpError, InputError
 from mask_replay.files.dumps import PER_ROW_BYTES
-from mask_replay.files.mask_file import MaskFile, RowKey
+from mask_replay.files.mask_file import MaskFile, RowKey, file_metadata
 from mask_replay.files.safe_output import atomic_file, is_stream
 from mask_replay.files.safetensors_stream import Header, fixed_writer, pread_rows, read_all, save
-from mask_replay.mask import ENTRY_KEY, SamplingMask, file_metadata
+from mask_replay.mask import ENTRY_KEY, SamplingMask
 from mask_replay.sampler.adapters.padded import (
     check_counts,
     check_layout,
@@ -44,7 +44,7 @@ def save_padded(mask: SamplingMask, path, width: Optional[int] = None) -> None:
     tensors.update({"ids": ids.cpu().contiguous(), "counts": counts.cpu().contiguous()})
     if entries:
         tensors["entry_logprobs"] = entries[0].cpu().contiguous()
-    meta = mask.file_metadata()
+    meta = file_metadata(mask.metadata)
     meta["layout"] = "padded"
     save(path, tensors, meta)
 

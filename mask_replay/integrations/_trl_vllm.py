@@ -37,7 +37,7 @@ from mask_replay.sampler.adapters.vllm_support import FIELD as SUPPORT_FIELD
 __all__ = ["EngineSupport", "configure_engine", "recording", "sampled_first", "PLUGIN", "LOGPROBS"]
 
 PLUGIN, LOGPROBS = "plugin", "processed_logprobs"
-_SET_BY_REPLAY = {"temperature", "top_k", "top_p", "min_p", "logprobs", "logprobs_mode"}
+_SET_BY_REPLAY = {"top_k", "top_p", "min_p", "logprobs", "logprobs_mode"}  # temperature: trl.py's rule
 _PLUGIN_FIX = (f"turn on mask_replay's vLLM plugin ({vllm_support.ENV}=1 in the environment that starts vLLM: this "
                "process for colocate mode, the server's for server mode)")
 
@@ -174,7 +174,8 @@ def recording(engine, *, temperature: float, vocab_size: int, support: EngineSup
                                     "with their token ids: replay cannot know the support (vLLM with "
                                     "logprobs_mode='processed_logprobs' and logprobs >= 1 is needed)")
         captured["mask"] = mask_from_trl_vllm(completion_ids, logprobs, token_ids, requested=engine.logprobs,
-                                              temperature=temperature, vocab_size=vocab_size)
+                                              temperature=temperature, vocab_size=vocab_size,
+                                              top_k=getattr(engine, "top_k", None))
         return prompt_ids, completion_ids, sampled_first(completion_ids, logprobs, token_ids), token_ids
 
     with ExitStack() as stack:  # instance attributes shadow the methods for this call only

@@ -38,6 +38,7 @@ logits gathered per chunk of rows (O(nnz x d), recomputed in the backward), TRL'
 from __future__ import annotations
 
 import copy
+import numbers
 from contextlib import contextmanager
 from typing import Optional
 
@@ -53,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
 
 from mask_replay.errors import InputError
 from mask_replay.integrations import _trl_vllm
+from mask_replay.integrations._shadow import shadowed
 from mask_replay.integrations._trl_softcap import softcapped_support_logprobs
 from mask_replay.integrations.transformers import WARPERS_OFF, MaskRecorder, hf_warpers
 from mask_replay.mask import SamplingMask
@@ -67,10 +69,29 @@ if not trl.__version__.startswith(TESTED_TRL + "."):
     raise ImportError(f"mask_replay.integrations.trl is built and tested against trl {TESTED_TRL}.x, "
                       f"found trl {trl.__version__}: pip install 'trl=={TESTED_TRL}.0'")
 
-# generation options with a truncation no recorder here reproduces (their default is "off")
-_UNRECORDED = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "num_beams": 1}
+# generation options with a truncation no recorder here reproduces, and their "off" values
+_UNRECORDED = {"typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "top_h": (None,),
+               "num_beams": (None, 1)}
+# generate's own warpers switched off for the recorded call. A generation_config passed to generate has
+# its None values filled from the model's own (transformers 5.24.0, `_prepare_generation_config`), so
+# min_p is off as 0 (keeps every token); a model's top_h is refused (_UNRECORDED), none is left to fill.
+_CALL_OFF = {**WARPERS_OFF, "min_p": 0.0}
 # logit multipliers TRL's fused head knows besides logit_scale; not folded here yet
 _OTHER_SCALES = ("output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def _check_top_k_cap(cap) -> None:
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or cap < 1):
+        raise InputError(f"replay_top_k_cap must be an integer >= 1 or None, got {cap!r}")
+
+
+def _check_generation_kwargs(cfg) -> None:
+    """GRPOConfig.generation_kwargs, both generation modes: the temperature replay renormalises at is
+    GRPOConfig.temperature, so a different one there would record at one and replay at the other."""
+    given = getattr(cfg, "generation_kwargs", None)
+    if isinstance(given, dict) and "temperature" in given and given["temperature"] != cfg.temperature:
+        raise InputError(f"generation_kwargs temperature={given['temperature']!r} differs from GRPOConfig.temperature="
+                         f"{cfg.temperature!r}: replay renormalises at GRPOConfig's (set the temperature there)")
 
 
 def _refuse(what: str, why: str) -> None:
@@ -101,18 +122,43 @@ def _gathered(param):
     return param.full_tensor(grad_placements=[Partial("avg")] * param.device_mesh.ndim)
 
 
-def _per_sequence(mask: SamplingMask, lengths: list[int]) -> list[SamplingMask]:
+def _per_sequence(mask: SamplingMask, lengths: list[int], *, completions=None, eos=(),
+                  vocab_size: Optional[int] = None) -> list[SamplingMask]:
     """The recorder's mask (rows sequence-major) cut into one mask per completion; a completion whose
-    token count differs from its rows is an error naming it and the first position without a row."""
+    token count differs from its rows is an error naming it and the first position without a row.
+    With `completions`, a completion longer than its rows whose last row is one of `eos` (generate's
+    EOS, from generation_kwargs, not the tokenizer's that TRL cuts at) gets whole-vocabulary rows for
+    generate's padding after it: nobody sampled those tokens, and replay keeps TRL's own log-prob there."""
     counts = torch.bincount(mask.extras["sequence"].long().cpu(), minlength=len(lengths)).tolist()
     out, start = [], 0
     for i, (rows, tokens) in enumerate(zip(counts, lengths)):
-        if rows != tokens:
+        part = mask.select_rows(start, start + rows)
+        start += rows
+        if completions is not None and 0 < rows < tokens and int(part.sampled[-1]) in eos:
+            part = SamplingMask.concat([part, _unsampled_rows(completions[i][rows:], vocab_size, part)])
+        elif rows != tokens:
             raise InputError(f"completion {i}: the recorded support has {rows} rows but the completion has "
                              f"{tokens} tokens (first position without a match: {min(rows, tokens)})")
-        out.append(mask.select_rows(start, start + rows))
-        start += rows
+        out.append(part)
     return out
+
+
+def _unsampled_rows(tokens, vocab_size: int, like: SamplingMask) -> SamplingMask:
+    """Whole-vocabulary rows for tokens nobody sampled (kept mass 1), with `like`'s per-row fields."""
+    n = len(tokens)
+    fields = {"sampled": torch.as_tensor(list(tokens), dtype=torch.int64)}
+    if like.kept_mass is not None:
+        fields["kept_mass"] = torch.ones(n, dtype=like.kept_mass.dtype)
+    return SamplingMask(torch.arange(vocab_size, dtype=torch.int32).repeat(n),
+                        torch.arange(n + 1, dtype=torch.int64) * vocab_size, **fields).to(like.device)
+
+
+def _adapter_state(model):
+    """A PEFT model's (adapters enabled, active adapters), None for a plain model: TRL scores its
+    reference with the policy's own module, the adapter disabled or switched to "ref"."""
+    if not hasattr(model, "peft_config") or not hasattr(model, "has_active_enabled_adapter"):  # peft's PeftModel
+        return None
+    return bool(model.has_active_enabled_adapter), tuple(model.active_adapters)
 
 
 @contextmanager
@@ -129,11 +175,8 @@ def _recording_generate(model, chain: list, recorder: MaskRecorder, eos, capture
         captured["output"] = original(*args, **kwargs)
         return captured["output"]
 
-    model.generate = generate  # an instance attribute: shadows the method for this call only
-    try:
+    with shadowed(model, generate=generate):  # an instance attribute: shadows the method for this call only
         yield
-    finally:
-        del model.generate
 
 
 class ReplayGRPOTrainer(GRPOTrainer):
@@ -143,6 +186,9 @@ class ReplayGRPOTrainer(GRPOTrainer):
         cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
         if cfg is not None and getattr(cfg, "use_transformers_continuous_batching", False):
             _refuse("use_transformers_continuous_batching=True", "generate_batch takes no logits processor")
+        _check_top_k_cap(replay_top_k_cap)
+        if cfg is not None:
+            _check_generation_kwargs(cfg)
         super().__init__(*args, **kwargs)
         if self.tools or self.rollout_func is not None or self.environment_factories is not None:
             _refuse("tools, environments or rollout_func", "their completions hold tokens nobody sampled")
@@ -150,12 +196,11 @@ class ReplayGRPOTrainer(GRPOTrainer):
         # a final softcap is not linear in the logits: that path gathers the support's logits (_trl_softcap.py)
         self._replay_softcap = getattr(self.accelerator.unwrap_model(self.model).config.get_text_config(),
                                        "final_logit_softcapping", None)
-        config = getattr(self, "generation_config", None)  # transformers generation only (vLLM: none)
-        for key, off in (_UNRECORDED.items() if config is not None else ()):
-            value = getattr(config, key, off)
-            if value is not None and value != off:
-                raise InputError(f"generation option {key}={value!r}: its support cannot be "
-                                 "recorded (mask_replay records temperature, top_k, top_p and min_p)")
+        self._replay_top_k_cap = replay_top_k_cap
+        # the policy's adapter state (PEFT): kept mass is measured in it, never with the reference's
+        self._replay_policy_adapter = _adapter_state(self.accelerator.unwrap_model(self.model))
+        if not self.use_vllm:  # every sampling source checked now: refused by name, or recorded
+            self._sampling()
         self._replay_masks: dict[int, SamplingMask] = {}
         self._replay_owned = {"train": [], "eval": []}  # ids of each mode's latest generation
         self._replay_next = 0
@@ -169,8 +214,41 @@ class ReplayGRPOTrainer(GRPOTrainer):
 
     # -- generation ---------------------------------------------------------------------------------
     def _sampling(self):
-        c = self.generation_config
-        return (c.temperature if c.temperature is not None else 1.0, c.top_k or None, c.top_p, c.min_p)
+        """(temperature, top_k, top_p, min_p, EOS ids) that `generate` samples with: TRL's generation config
+        (GRPOConfig, generation_kwargs) completed from the model's own generation config and then
+        transformers' defaults (top_k 50 where none is set), as generate completes it (transformers
+        5.24.0, generation/utils.py, `_prepare_generation_config`, which is called here); `top_k` is
+        replay_top_k_cap where none is set. An option whose support no recorder here reproduces is an
+        InputError naming the key and where it came from."""
+        model = self.accelerator.unwrap_model(self.model)
+        c, _ = model._prepare_generation_config(copy.deepcopy(self.generation_config))
+        if c.do_sample is not True:
+            raise InputError(f"generation option {self._source('do_sample')}={c.do_sample!r}: replay records the "
+                             "support each token was sampled from (greedy decoding samples nothing)")
+        for key, off in _UNRECORDED.items():
+            value = getattr(c, key, None)
+            if value not in off:
+                raise InputError(f"generation option {self._source(key)}={value!r}: its support cannot be recorded "
+                                 "(mask_replay records temperature, top_k, top_p and min_p)")
+        if c.temperature != self.temperature:  # not from generation_kwargs (checked before): from the model
+            raise InputError(f"generation option {self._source('temperature')}={c.temperature!r} differs from "
+                             f"GRPOConfig.temperature={self.temperature!r}: replay renormalises at GRPOConfig's")
+        top_k = c.top_k or self._replay_top_k_cap
+        eos = c.eos_token_id if c.eos_token_id is not None else self.eos_token_ids  # where generate stops
+        eos = eos.tolist() if isinstance(eos, torch.Tensor) else eos
+        eos = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        return float(c.temperature), top_k, c.top_p, c.min_p, eos
+
+    def _source(self, key: str) -> str:
+        """Where generate's value of `key` comes from, for errors."""
+        if key in (self.args.generation_kwargs or {}):
+            return f"generation_kwargs {key}"
+        if getattr(self.generation_config, key, None) is not None:
+            return f"GRPOConfig {key}"
+        model = self.accelerator.unwrap_model(self.model)
+        if getattr(model.generation_config, key, None) is not None:
+            return f"the model's generation_config {key}"
+        return f"transformers' default {key}"
 
     def _replay_vocab_size(self) -> int:
         model = self.accelerator.unwrap_model(self.model)
@@ -190,24 +268,26 @@ class ReplayGRPOTrainer(GRPOTrainer):
             self._keep(_per_sequence(mask, [len(c) for c in completion_ids]))
             return completion_ids, logprobs
         recorder, captured = MaskRecorder(), {}
-        temperature, top_k, top_p, min_p = self._sampling()
+        temperature, top_k, top_p, min_p, eos = self._sampling()
         recorder.temperature = float(temperature)
         chain = hf_warpers(temperature, top_k, top_p, min_p, reference=recorder.reference) + [recorder]
         model = self.accelerator.unwrap_model(self.model_wrapped)
         sampling_config = self.generation_config
         self.generation_config = copy.deepcopy(sampling_config)
-        for key, value in WARPERS_OFF.items():  # the chain above is the only truncation applied
+        for key, value in _CALL_OFF.items():  # the chain above is the only truncation applied
             setattr(self.generation_config, key, value)
         try:
-            with _recording_generate(model, chain, recorder, self.eos_token_ids, captured):
+            with _recording_generate(model, chain, recorder, eos, captured):
                 completion_ids, logprobs = super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         finally:
             self.generation_config = sampling_config
         if "output" not in captured:
             raise RuntimeError("ReplayGRPOTrainer: TRL generated without model.generate; nothing was recorded")
-        masks = _per_sequence(recorder.mask(captured["output"], eos_token_id=self.eos_token_ids),
-                              [len(c) for c in completion_ids])
+        # rows end at TRL's EOS (its completions end there) or at generate's (its padding follows)
+        ends = sorted(set(eos) | set(self.eos_token_ids))
+        masks = _per_sequence(recorder.mask(captured["output"], eos_token_id=ends), [len(c) for c in completion_ids],
+                              completions=completion_ids, eos=set(eos), vocab_size=self._replay_vocab_size())
         self._keep(masks)
         return completion_ids, logprobs
 
@@ -236,6 +316,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         """kept mass = exp(log pi_V - log pi_K) per token, from the policy's first scoring of the batch."""
         if not getattr(self, "_replay_kept_pending", False) or model not in (self.model, self.model_wrapped):
             return
+        if _adapter_state(self.accelerator.unwrap_model(model)) != self._replay_policy_adapter:
+            return  # TRL's PEFT reference (the same module, its adapter off): not the policy
         self._replay_kept_pending = False
         kept = torch.exp(trl_logps.detach() - replayed.detach()).double()[window]
         totals = torch.stack([kept.sum(), torch.tensor(float(kept.numel()), dtype=torch.float64, device=kept.device)])

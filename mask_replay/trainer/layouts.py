@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from mask_replay._ops import ops
-from mask_replay.params import output_dtype, temperature_value
+from mask_replay.params import ignore_index_value, output_dtype, temperature_value
 from mask_replay.trainer.sparse_head import check_mask_arrays
 
 IGNORED = -1  # status of a position without a mask row (replay's own codes are 0, 1, 2)
@@ -151,7 +151,7 @@ def _position_temperature(temperature, shape, cu: Optional[torch.Tensor], device
 def _keep(sampled, loss_mask, ignore_index, shape, device) -> torch.Tensor:
     keep = torch.ones(shape, dtype=torch.bool, device=device)
     if sampled is not None:
-        keep &= sampled != ignore_index
+        keep &= sampled != ignore_index_value(ignore_index)
     if loss_mask is not None:
         if not isinstance(loss_mask, torch.Tensor) or tuple(loss_mask.shape) != tuple(shape):
             got = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else type(loss_mask).__name__

@@ -23,7 +23,7 @@ import torch
 from mask_replay.csr import segment_sum
 from mask_replay.errors import InputError, OutsideSupportError
 from mask_replay.mask import SamplingMask
-from mask_replay.params import INT_DTYPES
+from mask_replay.params import INT_DTYPES, ignore_index_value
 from mask_replay.trainer.sparse_head import check_mask_arrays, mask_csr
 
 __all__ = ["score_centered_pg", "DEFAULT_CAP"]
@@ -131,7 +131,7 @@ def score_centered_pg(
         shape = tuple(labels.shape) if labels is not None else tuple(loss_mask.shape)
         keep = torch.ones(shape, dtype=torch.bool, device=device)
         if labels is not None:
-            keep &= labels.to(device) != ignore_index
+            keep &= labels.to(device) != ignore_index_value(ignore_index, op)
         if loss_mask is not None:
             if tuple(loss_mask.shape) != shape:
                 raise ValueError(f"{op}: loss_mask must have the labels' shape {list(shape)}, got "

@@ -177,7 +177,7 @@ def support_logprobs_padded(
         raise ValueError(f"{op}: width must be an integer >= the widest row ({widest}), got {width!r}")
     slots = torch.arange(mask.nnz, device=device) - offsets[rows]
     if labels is None and loss_mask is None:
-        out = values.new_full((n, width), fill)
+        out = _padded_output(values, n, width, fill, op)
         return out.index_put((rows, slots), values)
     shape = tuple(labels.shape) if labels is not None else tuple(loss_mask.shape)
     kept = _kept_positions(op, shape, labels, loss_mask, ignore_index, device)
@@ -187,5 +187,16 @@ def support_logprobs_padded(
     total = 1
     for s in shape:
         total *= s
-    out = values.new_full((total, width), fill)
+    out = _padded_output(values, total, width, fill, op)
     return out.index_put((kept[rows], slots), values).reshape(shape + (width,))
+
+
+def _padded_output(values: torch.Tensor, rows: int, width: int, fill: float, op: str) -> torch.Tensor:
+    """The [rows, width] output, or one error naming width where it cannot be allocated."""
+    try:
+        return values.new_full((rows, width), fill)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        size = rows * width * values.element_size()
+        raise ValueError(f"{op}: width {width} needs a [{rows}, {width}] output ({size / 2 ** 30:.3g} GiB), which "
+                         f"cannot be allocated on {values.device} ({str(exc).splitlines()[0][:120]}); pass a "
+                         "smaller width (None: the widest row)") from None

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from mask_replay import SamplingMask
 from mask_replay.csr import check_offsets, check_row_values
 from mask_replay.errors import DumpError, MaskFormatError
-from mask_replay.files import mask_file
+from mask_replay.files import mask_file, safetensors_stream
 from mask_replay.files.dumps import Dump
 from mask_replay.files.mask_file import MaskFile
 from tests.helpers import N, V, assert_one_line_error, rollout_tensors, run, write
@@ -395,3 +395,14 @@ def _compare_with_the_whole_file(lengths, drop, high, cuts):
             # each chunk's ids are a view of the file map, unmapped when the next chunk is read: copied
             got = [mf.rows(a, b, 4).token_ids.clone() for a, b in zip(bounds, bounds[1:])] or [ids[:0]]
             assert torch.equal(torch.cat(got), ids)
+
+
+def test_another_format_version_is_refused_by_every_reader(tmp_path):
+    mask = SamplingMask.from_lists([[1, 2], [3]])
+    meta = dict(mask_file.file_metadata(mask.metadata), format_version="2")
+    path = tmp_path / "future.safetensors"
+    safetensors_stream.save(path, mask.tensors(), meta)
+    for read in (SamplingMask.load, MaskFile):
+        with pytest.raises(MaskFormatError, match=r"future\.safetensors: format_version '2': this mask_replay .* reads "
+                                                  r"format_version '1'"):
+            read(str(path))

@@ -145,7 +145,7 @@ def test_row_count_mismatch_names_sample_and_position(tmp_path):
 
 
 def test_unbuilt_paths_and_other_trl_versions_are_clear_errors(tmp_path, monkeypatch):
-    with pytest.raises(InputError, match="generation option typical_p=0.5: its support cannot be recorded"):
+    with pytest.raises(InputError, match="generation option generation_kwargs typical_p=0.5: its support cannot be "):
         make(ReplayGRPOTrainer, tmp_path, generation_kwargs={"typical_p": 0.5})
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     with pytest.raises(ImportError, match=r"tested against trl 1\.16\.x, found trl 1\.17\.0"):

@@ -196,3 +196,60 @@ def test_vllm_server_mode_takes_the_same_path(tmp_path, fake_vllm, monkeypatch):
     logged = trainer.state.log_history[0]
     assert abs(logged["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
     assert logged["replay/support_size/mean"] == 4.0 and 0 < logged["replay/kept_mass/mean"] < 1
+
+
+def test_vllm_generation_kwargs_temperature_is_the_same_rule_as_transformers(tmp_path, fake_vllm):
+    with pytest.raises(InputError, match=r"generation_kwargs temperature=0\.5 differs from GRPOConfig\.temperature"):
+        make(tmp_path, top_k=5, generation_kwargs={"temperature": 0.5})
+    assert make(tmp_path, top_k=5, generation_kwargs={"temperature": 1.0}).vllm_generation.logprobs == 6
+
+
+def test_vllm_engine_generate_wrapper_installed_by_a_user_stays(tmp_path, fake_vllm):
+    trainer = make(tmp_path, top_k=5)
+    engine, calls = trainer.vllm_generation, []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return FakeVLLMGeneration.generate(engine, *args, **kwargs)
+
+    engine.generate = wrapper
+    trainer.model.train()
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert calls and vars(engine)["generate"] is wrapper
+
+
+def test_vllm_kept_mass_is_the_policys_under_peft_with_a_reference(tmp_path, fake_vllm):
+    # beta > 0 with PEFT: TRL scores the reference with the policy's own module, the adapter off; with IS
+    # correction off that comes first. The kept mass logged must be the policy's (adapter on).
+    peft = pytest.importorskip("peft")
+    T = 0.9
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    trainer = ReplayGRPOTrainer(model=tiny_model(), reward_funcs=reward_len, peft_config=lora,
+                                args=grpo_args(tmp_path, use_vllm=True, vllm_mode="colocate", beta=0.1,
+                                               vllm_importance_sampling_correction=False, temperature=T, top_k=6),
+                                train_dataset=prompts(4), processing_class=tiny_tokenizer())
+    model = trainer.model
+    with torch.no_grad():  # LoRA's B starts at 0: make the adapter matter
+        for j, (name, p) in enumerate(model.named_parameters()):
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(j))
+    model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert "replay/kept_mass/mean" not in trainer._metrics["train"]  # the reference scoring measured nothing
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    k = batch["completion_ids"].shape[1]
+    trainer._replay_active = batch[INDEX_KEY]  # the policy's first scoring of the batch
+    try:
+        trainer._get_per_token_logps_and_entropies(model, input_ids, attention, k)
+    finally:
+        trainer._replay_active = None
+    with torch.no_grad():
+        z = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1][:, -k:].double() / T
+    p = torch.softmax(z, -1)
+    kept = []
+    for b, i in enumerate(batch[INDEX_KEY].tolist()):
+        mask = trainer._replay_masks[i]
+        kept += (p[b, :mask.num_rows] * mask.to_dense(V)).sum(-1).tolist()
+    logged = trainer._metrics["train"]["replay/kept_mass/mean"]
+    assert len(logged) == 1 and abs(logged[0] - sum(kept) / len(kept)) < 1e-5

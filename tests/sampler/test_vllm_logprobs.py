@@ -103,7 +103,7 @@ def test_a_row_that_may_be_cut_off_is_refused_with_its_place_and_the_cover():
     n = int(max(sizes))  # the largest row: N finite of N asked, indistinguishable from a cut-off
     t = sizes.index(n)
     with pytest.raises(EngineOutputError, match=rf"request 0 \(id 'r0'\) choice 0 token {t}: .* of the {n} asked"
-                       rf".*logprobs= above {n}.*max_logprobs is 20"):
+                       rf".*logprobs={2 * n} or more.*max_logprobs is 20"):
         mask_from_vllm_logprobs(offline(sampled, lp, n), logprobs=n, max_logprobs=20)
 
 
@@ -241,3 +241,73 @@ def test_settings_cover_the_rows_they_are_for():
     lp = torch.log_softmax(logits.masked_fill(~support, -INF), -1)
     assert_matches(mask_from_vllm_logprobs(offline([int(keep[0])], lp, s.logprobs), logprobs=s.logprobs),
                    [int(keep[0])], support, lp)
+
+
+def tied_rows(values, sampled, n):
+    """One position whose support is `values` (finite logits, -inf elsewhere) as vLLM CPU's top-k keeps it,
+    in the offline layout with the top-N processed log-probs."""
+    lp = torch.log_softmax(torch.tensor([values], dtype=torch.float64), -1)
+    return offline([sampled], lp, n), lp
+
+
+def test_a_tie_at_the_top_k_cut_is_accepted_when_the_mass_proves_the_row_whole():
+    # top_k 3, the 3rd and 4th logits tied: vLLM CPU keeps both (4 ids), so top_k + 1 = 4 log-probs are all finite
+    out, lp = tied_rows([2.0, 1.5, 1.0, 1.0, -INF, -INF], 3, 4)
+    mask = mask_from_vllm_logprobs(out, logprobs=4, top_k=3)
+    assert mask.to_lists() == [[0, 1, 2, 3]]
+    torch.testing.assert_close(mask.entry_logprobs.double(), lp[0, :4], atol=1e-6, rtol=0)
+    # without top_k nothing tells the row whole: the hint is a larger N, never the one that failed
+    with pytest.raises(EngineOutputError, match=r"4 finite log-probs of the 4 asked: .* ask for logprobs=8 or more"):
+        mask_from_vllm_logprobs(out, logprobs=4)
+    # a third tied id left out by the top-4 (5 in the support): the mass is short, refused with the tie named
+    out, _ = tied_rows([2.0, 1.5, 1.0, 1.0, 1.0, -INF], 3, 4)
+    with pytest.raises(EngineOutputError, match=r"top_k 3-th value is tied .* ask for logprobs=8 or more"):
+        mask_from_vllm_logprobs(out, logprobs=4, top_k=3)
+    # a tie too small for the mass check to see one more: refused
+    out, _ = tied_rows([30.0, 20.0, 1.0, 1.0, -INF], 2, 4)
+    with pytest.raises(EngineOutputError, match="tied"):
+        mask_from_vllm_logprobs(out, logprobs=4, top_k=3)
+    # below the k-th rank nothing may be tied (1.5 is not the 3rd value): the usual cut-off
+    out, _ = tied_rows([2.0, 1.5, 1.5, 1.0, 0.5, -INF], 0, 4)
+    with pytest.raises(EngineOutputError, match="of the 4 asked: the support may be cut off; ask"):
+        mask_from_vllm_logprobs(out, logprobs=4, top_k=3)
+    # where top_k + 1 is more than was asked, that is the hint
+    with pytest.raises(EngineOutputError, match=r"ask for logprobs=6 \(the request's top_k \+ 1\)"):
+        mask_from_vllm_logprobs(out, logprobs=4, top_k=5)
+
+
+def test_vocab_size_must_be_positive():
+    for bad in (0, -5):
+        with pytest.raises(EngineOutputError, match=rf"vocab_size must be >= 1, got {bad}"):
+            vllm_logprobs_settings(top_p=0.9, vocab_size=bad)
+        with pytest.raises(EngineOutputError, match=rf"vocab_size must be an integer >= 1, got {bad}"):
+            mask_from_vllm_logprobs(offline([0], torch.zeros(1, 1, dtype=torch.float64), 1), logprobs=1,
+                                    vocab_size=bad)
+
+
+@pytest.mark.parametrize("token", ["token_id:1_000", "token_id: 3", "token_id:+3", "token_id:-3", "token_id:3 ",
+                                   "token_id:\u0663", "token_id:\uff13", "token_id:"])
+def test_token_strings_vllm_never_sends_are_refused(token):
+    sampled, _, lp = engine_rows(5, 2, 20, 4)
+    out = as_completions_json(sampled, lp, 6)
+    out[0]["choices"][0]["logprobs"]["tokens"][1] = token
+    with pytest.raises(EngineOutputError, match=r"token 1: token .* is not 'token_id:<id>'"):
+        mask_from_vllm_logprobs(out, logprobs=6)
+
+
+def test_offline_token_ids_as_numpy_or_tensor():
+    np = pytest.importorskip("numpy")
+    sampled, support, lp = engine_rows(6, 4, 30, 6)
+    for wrap in (np.array, torch.tensor):
+        out = offline(sampled, lp, 7)
+        out[0].outputs[0].token_ids = wrap(sampled)
+        assert_matches(mask_from_vllm_logprobs(out, logprobs=7), sampled, support, lp)
+
+
+@pytest.mark.parametrize("value", [-INF, None, 0.5])
+def test_greedy_row_with_no_log_probability_is_refused(value):
+    out = [{"id": "g", "choices": [{"index": 0, "logprobs": {
+        "tokens": ["token_id:1"], "token_logprobs": [value], "top_logprobs": [{"token_id:1": value}]}}]}]
+    with pytest.raises(EngineOutputError, match=r"token 0: greedy \(temperature 0\) but the generated token 1 has "
+                                                r"log-prob"):
+        mask_from_vllm_logprobs(out, logprobs=1, temperature=0.0)

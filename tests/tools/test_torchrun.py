@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 import mask_replay
 from mask_replay.cli.main import main
+from mask_replay.files.mask_file import file_metadata
 from mask_replay.tools.capture import capture_dumps
 from mask_replay.tools.launch import share
 from mask_replay.tools.torchrun import merge_masks
@@ -177,7 +178,7 @@ def test_shares_merge_into_the_single_capture(data):
     assert "outside_support" not in parts[2].extras  # no flagged row there: the merge restores the column
     merged = merge_masks(parts, "flag")
     single = mask_replay.SamplingMask.load(str(data / "masks1.safetensors"))
-    assert merged == single and merged.file_metadata() == single.file_metadata()
+    assert merged == single and file_metadata(merged.metadata) == file_metadata(single.metadata)
 
 
 def _rollout_with_engine_logprobs(path, n, seed, engine_shift):

@@ -15,10 +15,20 @@ Accepted layouts (vLLM is not imported; objects are read by duck typing):
     -inf as null or clamped to -9999.0: both read as -inf (a real log-prob is far above it);
   - what TRL 1.16's vLLM generation returns (`mask_from_trl_vllm`): per sequence, per token, the
     log-probs and their token ids, sorted by rank, NaN already replaced by None.
+
+Ties at the top-k cut (read against vLLM 0.32.0, v1/sample/ops/topk_topp_sampler.py): without Triton
+(the CPU builds) `apply_top_k_only` and `apply_top_k_top_p_pytorch` keep every token whose logit is
+not below the k-th largest, so a support can hold more than top_k ids when the k-th value is tied,
+and top_k + 1 log-probs then come back all finite. Such a row is accepted when its finite entries
+provably are the whole support (`top_k` given): the support lies within the values >= the k-th, so
+any id left out would be one more tie at the k-th value, worth exp(that log-prob); when that worth
+exceeds twice the mass tolerance, a row whose finite entries hold all the probability lacks none.
+Otherwise the error asks for a larger N (ties can be any number: the hint is twice the N asked).
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -31,11 +41,13 @@ JSON_NEG_INF = -9999.0
 # A row's finite entries must hold all the probability: |log sum p| within float32 rounding of
 # the engine's log-softmax over up to 10^5 entries (the same bound csr.check_entry_logprobs uses).
 ROW_MASS_TOLERANCE = 1e-4
+# what vLLM sends with return_tokens_as_token_ids=True: ASCII digits only (no sign, space or "_")
+_TOKEN_ID = re.compile(r"token_id:([0-9]+)")
 
 
 def mask_from_vllm_logprobs(outputs: Any, *, logprobs: int, max_logprobs: Optional[int] = None,
                             temperature: Optional[float] = None, step: Optional[int] = None,
-                            vocab_size: Optional[int] = None) -> SamplingMask:
+                            vocab_size: Optional[int] = None, top_k: Optional[int] = None) -> SamplingMask:
     """One mask row per generated token (requests in order, completions by index), its ids the
     entries with a finite processed log-prob, `entry_logprobs` their values.
 
@@ -43,8 +55,9 @@ def mask_from_vllm_logprobs(outputs: Any, *, logprobs: int, max_logprobs: Option
     engine's cap (named in errors only). `temperature=0` marks greedy requests: their support is
     the sampled token alone (vLLM reports greedy rows' log-probs untruncated), which must be the
     rank-1 entry. A row whose support may be cut off (N finite entries of N asked) is an error
-    naming request, choice and token, and the `logprobs=` that would cover it."""
-    need = _Need(logprobs, max_logprobs, temperature, vocab_size)
+    naming request, choice and token, and the `logprobs=` that would cover it. `top_k` (the requests'
+    top_k, when they set one) lets a row whose k-th value is tied be told complete (module doc)."""
+    need = _Need(logprobs, max_logprobs, temperature, vocab_size, top_k)
     completions = []
     for r, request in enumerate(outputs if isinstance(outputs, (list, tuple)) else [outputs]):
         for label, key, tokens, positions in _choices(request, r):
@@ -54,12 +67,13 @@ def mask_from_vllm_logprobs(outputs: Any, *, logprobs: int, max_logprobs: Option
 
 def mask_from_trl_vllm(completion_ids, logprobs, logprob_token_ids, *, requested: int,
                        max_logprobs: Optional[int] = None, temperature: Optional[float] = None,
-                       step: Optional[int] = None, vocab_size: Optional[int] = None) -> SamplingMask:
+                       step: Optional[int] = None, vocab_size: Optional[int] = None,
+                       top_k: Optional[int] = None) -> SamplingMask:
     """The mask of TRL's vLLM generation (`VLLMGeneration.generate` / `VLLMClient.generate`, colocate
     or server): `completion_ids` [seq][token], `logprobs` and `logprob_token_ids` [seq][token][entry]
     as TRL returns them with `logprobs=requested` (None: NaN or null; read as -inf, so that a
     support entry lost that way fails the row's mass check). Rows in sequence order, one per token."""
-    need = _Need(requested, max_logprobs, temperature, vocab_size)
+    need = _Need(requested, max_logprobs, temperature, vocab_size, top_k)
     seqs = as_list(completion_ids, "completion_ids")
     lps = as_list(logprobs, "logprobs")
     ids = as_list(logprob_token_ids, "logprob_token_ids")
@@ -88,7 +102,7 @@ def mask_from_trl_vllm(completion_ids, logprobs, logprob_token_ids, *, requested
 class _Need:
     """The request settings a row is judged against, checked once."""
 
-    def __init__(self, logprobs, max_logprobs, temperature, vocab_size):
+    def __init__(self, logprobs, max_logprobs, temperature, vocab_size, top_k):
         if not _is_int(logprobs) or not (logprobs == -1 or logprobs >= 1):
             raise EngineOutputError(f"logprobs must be the N each request asked for (an integer >= 1, or -1 for the "
                                     f"whole vocabulary), got {logprobs!r}")
@@ -96,15 +110,24 @@ class _Need:
             raise EngineOutputError(f"max_logprobs must be an integer, got {max_logprobs!r}")
         if temperature is not None and not (_is_real(temperature) and temperature >= 0):
             raise EngineOutputError(f"temperature must be a number >= 0, got {temperature!r}")
+        if vocab_size is not None and not (_is_int(vocab_size) and vocab_size >= 1):
+            raise EngineOutputError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+        if top_k is not None and not _is_int(top_k):
+            raise EngineOutputError(f"top_k must be an integer or None, got {top_k!r}")
         self.n, self.max_logprobs, self.vocab_size = int(logprobs), max_logprobs, vocab_size
+        self.top_k = int(top_k) if top_k is not None and top_k > 0 else None  # 0 / -1: off
         self.greedy = temperature is not None and temperature == 0
 
-    def cover_hint(self) -> str:
-        more = "a larger logprobs=" if self.n == -1 else f"logprobs= above {self.n}"
+    def cover_hint(self, tied: bool = False) -> str:
+        """A different N that covers the row: the request's top_k + 1 where that is more than was asked,
+        else (a tie at the k-th value, or top_k unknown) twice the N asked."""
+        if self.top_k is not None and self.top_k + 1 > self.n and not tied:
+            more = f"logprobs={self.top_k + 1} (the request's top_k + 1)"
+        else:
+            more = f"logprobs={2 * self.n} or more" if self.n != -1 else "a larger logprobs="
         cap = f" (the engine's max_logprobs is {self.max_logprobs}: raise it too)" if self.max_logprobs else \
             " (and the engine's max_logprobs at least as large)"
-        return (f"{more}, e.g. the request's top_k + 1{cap}; for top-p / min-p only requests, see "
-                "vllm_logprobs_settings")
+        return f"{more}{cap}; for top-p / min-p only requests, see vllm_logprobs_settings"
 
 
 def _choices(request, r: int):
@@ -180,7 +203,8 @@ def _positions(ch, label: str):
             positions.append(row)
         return _check_token_ids(ch, tokens, label), positions
     # offline CompletionOutput: token_ids + per position {id: Logprob}
-    tokens = as_list(get(ch, "token_ids") or [], f"{label}: token_ids")
+    ids = get(ch, "token_ids")  # a list, a numpy array or a tensor: never its truth value
+    tokens = as_list(ids if ids is not None else [], f"{label}: token_ids")
     positions = as_list(lp, f"{label}: logprobs")
     if len(positions) != len(tokens):
         raise EngineOutputError(f"{label}: {len(positions)} logprobs positions for {len(tokens)} generated tokens")
@@ -195,11 +219,9 @@ def _positions(ch, label: str):
 
 def _token_id(token, where: str) -> int:
     """"token_id:123" (return_tokens_as_token_ids=True) -> 123; a decoded string cannot be mapped back."""
-    if isinstance(token, str) and token.startswith("token_id:"):
-        try:
-            return int(token[len("token_id:"):])
-        except ValueError:
-            pass
+    match = _TOKEN_ID.fullmatch(token) if isinstance(token, str) else None
+    if match:
+        return int(match.group(1))
     raise EngineOutputError(f"{where}: token {token!r} is not 'token_id:<id>' (start the server with "
                             "--return-tokens-as-token-ids, or send return_tokens_as_token_ids=true)"[:300])
 
@@ -243,6 +265,9 @@ def _completion(label: str, key: list, tokens: list, positions: list, need: _Nee
                                     "sampled token) allows: pass the logprobs= the requests used")
         if need.greedy:
             best = max(vals.values())
+            if not -math.inf < vals[tok] <= 0:
+                raise EngineOutputError(f"{where}: greedy (temperature 0) but the generated token {tok} has log-prob "
+                                        f"{vals[tok]} (null / -inf, or above 0): not a log-probability")
             if vals[tok] < best:
                 raise EngineOutputError(f"{where}: greedy (temperature 0) but the generated token {tok} is not the "
                                         "most probable entry")
@@ -265,14 +290,29 @@ def _check_complete(where: str, n_finite: int, n_returned: int, lps: list, need:
     the probability and (b) the engine returned fewer finite entries than asked for, or a -inf
     among them (a top-N list of N finite values may stop short of the support)."""
     whole_vocab = need.n == -1 or (need.vocab_size is not None and n_finite >= need.vocab_size)
-    if not whole_vocab and n_finite >= need.n and n_finite == n_returned:
-        raise EngineOutputError(f"{where}: {n_finite} finite log-probs of the {need.n} asked: the support may be "
-                                f"cut off; ask for {need.cover_hint()}")
     top = max(lps)
     mass = top + math.log(math.fsum(math.exp(v - top) for v in lps))
+    if not whole_vocab and n_finite >= need.n and n_finite == n_returned:
+        tied = _tied_at_k(lps, need)
+        # complete only if one more tie (worth exp(tied)) would have failed the mass check
+        if not (tied is not None and math.exp(tied) > 2 * ROW_MASS_TOLERANCE and abs(mass) <= ROW_MASS_TOLERANCE):
+            why = (f" (the top_k {need.top_k}-th value is tied down to the last: vLLM keeps every tie of it)"
+                   if tied is not None else "")
+            raise EngineOutputError(f"{where}: {n_finite} finite log-probs of the {need.n} asked: the support may be "
+                                    f"cut off{why}; ask for {need.cover_hint(tied is not None)}")
     if not abs(mass) <= ROW_MASS_TOLERANCE:
         raise EngineOutputError(f"{where}: the finite log-probs sum to probability {math.exp(mass):.6g}, not 1: "
                                 "not processed log-probs (start the engine with logprobs_mode='processed_logprobs')")
+
+
+def _tied_at_k(lps: list, need: _Need) -> Optional[float]:
+    """The k-th largest value when every finite entry from the k-th on equals it (a tie at the top-k
+    cut that fills the N asked), else None."""
+    k = need.top_k
+    if k is None or len(lps) <= k:
+        return None
+    ranked = sorted(lps, reverse=True)
+    return ranked[k - 1] if ranked[k - 1] == ranked[-1] else None
 
 
 @dataclass
@@ -313,6 +353,8 @@ def vllm_logprobs_settings(*, temperature: float = 1.0, top_k: Optional[int] = N
         raise EngineOutputError(f"top_k must be >= 1, or 0 / -1 (off), got {top_k}")
     if top_k_cap is not None and top_k_cap < 1:
         raise EngineOutputError(f"top_k_cap must be >= 1, got {top_k_cap}")
+    if vocab_size is not None and vocab_size < 1:
+        raise EngineOutputError(f"vocab_size must be >= 1, got {vocab_size}")
     k = top_k if top_k is not None and top_k > 0 else None
     sampling = {"temperature": temperature, "top_k": top_k if top_k is not None else -1}
     if top_p is not None:
