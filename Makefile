@@ -150,11 +150,12 @@ bench-vllm-support: venv-vllm
 	$(MAKE) model-export
 	$(VLLM_SUPPORT_RUN) benchmarks/bench_vllm_support.py
 
-# one colocated engine per process: the two vLLM runs are two calls (the second adds its run to the first's JSON)
+# one colocated engine per process: the two vLLM runs are two calls (the second adds its run to the first's JSON);
+# the replay run reads the supports through mask_replay's vLLM plugin (MASK_REPLAY_VLLM_SUPPORT=1)
 TRL_FLAGS = --trainer trl --steps $(TRL_STEPS) --prompts-per-step 4 --group-size 4 --max-new-tokens 16 --lr 1e-5 --out $(TRL_OUT)
 experiment-trl: venv-vllm
 	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs no_replay
-	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs replay
+	MASK_REPLAY_VLLM_SUPPORT=1 $(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs replay
 	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation transformers --runs both
 
 clean:
