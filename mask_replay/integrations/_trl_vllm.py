@@ -69,10 +69,12 @@ def configure_engine(engine, *, temperature: float, top_k: Optional[int], top_p:
                          f"which vLLM would send as {vocab_size} log-prob objects per token; {_PLUGIN_FIX}, or "
                          "pass replay_top_k_cap=K (adds top_k=K to the sampling)")
     limit = _max_logprobs(engine)
-    if limit is not None and limit != -1 and settings.logprobs > limit:
-        raise InputError(f"vLLM's max_logprobs is {limit} but replay reads the support off {settings.logprobs} "
-                         f"processed log-probs per token ({settings.cost}); {_PLUGIN_FIX}, or start vLLM with "
-                         f"max_logprobs >= {settings.logprobs} (server: --max-logprobs {settings.logprobs})")
+    too_small = limit is not None and limit != -1 and settings.logprobs > limit
+    if too_small or not _server_allows(engine, settings.logprobs):
+        which = f"vLLM's max_logprobs is {limit}" if too_small else "the vLLM server refuses that many log-probs"
+        raise InputError(f"{which}: replay reads the support off {settings.logprobs} processed log-probs per token "
+                         f"({settings.cost}); {_PLUGIN_FIX}, or start vLLM with max_logprobs >= {settings.logprobs} "
+                         f"(server: --max-logprobs {settings.logprobs})")
     engine.logprobs = settings.logprobs
     return EngineSupport(LOGPROBS, settings)
 
@@ -89,6 +91,25 @@ def _plugin_answers(engine) -> bool:
                                json={"model": client.model, "prompt": [[0]], "max_tokens": 1, "logprobs": 0,
                                      "return_token_ids": True})["choices"]
         answer = [bool(choices) and choices[0].get(SUPPORT_FIELD) is not None]
+    broadcast_object_list(answer, from_process=0)
+    return bool(answer[0])
+
+
+def _server_allows(engine, n: int) -> bool:
+    """Server mode: the main process asks for one token with n log-probs; a server whose max_logprobs is
+    below n refuses it (vLLM names max_logprobs in its 400 answer). Other modes: True."""
+    if getattr(engine, "mode", "colocate") != "server":
+        return True
+    answer = [True]
+    client = getattr(engine, "vllm_client", None)
+    if client is not None:
+        try:
+            client._post(f"{client.base_url}/v1/completions", json={"model": client.model, "prompt": [[0]],
+                                                                     "max_tokens": 1, "logprobs": n})
+        except Exception as exc:  # TRL's client raises a bare Exception carrying the server's answer
+            if "logprobs" not in str(exc):
+                raise
+            answer = [False]
     broadcast_object_list(answer, from_process=0)
     return bool(answer[0])
 

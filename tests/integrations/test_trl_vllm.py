@@ -110,7 +110,7 @@ def test_vllm_max_logprobs_below_the_n_needed_is_refused_at_construction(tmp_pat
     config = SimpleNamespace(model_config=SimpleNamespace(max_logprobs=20))
     monkeypatch.setattr(fake_vllm, "llm", SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config)),
                         raising=False)
-    with pytest.raises(InputError, match="max_logprobs is 20 but replay reads the support off 31"):
+    with pytest.raises(InputError, match="max_logprobs is 20: replay reads the support off 31"):
         make(tmp_path, top_k=30)
 
 

@@ -123,3 +123,15 @@ def test_a_completion_without_support_after_the_probe_is_one_clear_error(tmp_pat
     trainer.model.train()
     with pytest.raises(Exception, match="without sampling_support"):
         trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def test_a_server_whose_max_logprobs_is_too_small_is_named_at_construction(tmp_path, monkeypatch):
+    class CappedServer(PluginServer):
+        def _server(self, url, json):
+            if json.get("logprobs", 0) > 20:  # vLLM's answer when the request exceeds --max-logprobs
+                raise Exception("Request failed: 400, Requested sample logprobs of 31, which is greater than "
+                                "max allowed: 20 (max_logprobs)")
+            return {"choices": [{"index": 0, "token_ids": [5]}]}  # the plugin is off
+
+    with pytest.raises(Exception, match="--max-logprobs 31"):
+        trainer_with(CappedServer, tmp_path, monkeypatch, mode="server", top_k=30)
