@@ -1,0 +1,6 @@
+"""verl 0.9.1 drop-in (see README, "verl"): replay in verl's FSDP engine and vLLM rollout server.
+
+support_rows.py (where each recorded row lands in verl's packed layout; pure torch, no verl import),
+trainer.py (the FSDP engine's log-probs renormalised over the recorded supports; imports verl),
+plugin.py (the ``verl.plugins`` entry point: installs trainer.py when MASK_REPLAY_VERL=1).
+"""
