@@ -81,8 +81,8 @@ def _checked_new(cls, model_type, backend, *args, **kwargs):
             raise NotImplementedError(f"mask_replay verl replay: engine backend '{backend}' is not supported yet "
                                       f"(built: {', '.join(_BACKENDS)}); unset MASK_REPLAY_VERL or use "
                                       "actor_rollout_ref.actor.strategy=fsdp2")
-        model_config = kwargs.get("model_config")
-        if model_config is not None and getattr(model_config, "use_fused_kernels", False):
+        configs = (kwargs.get("model_config"), kwargs.get("engine_config"))
+        if any(getattr(c, "use_fused_kernels", False) for c in configs if c is not None):
             raise NotImplementedError("mask_replay verl replay: actor_rollout_ref.model.use_fused_kernels=True is not "
                                       "supported yet (the fused head never materialises the logits replay needs); "
                                       "set it to False or unset MASK_REPLAY_VERL")
@@ -94,8 +94,7 @@ def micro_batch_supports(micro_batch) -> list:
     if SUPPORT_KEY not in micro_batch.keys():
         raise InputError(f"replay is on (MASK_REPLAY_VERL=1) but the batch carries no '{SUPPORT_KEY}': the rollout "
                          "did not record supports", key=SUPPORT_KEY)
-    value = micro_batch[SUPPORT_KEY]
-    return list(value.tolist() if hasattr(value, "tolist") else value)
+    return list(tu.get(micro_batch, SUPPORT_KEY))
 
 
 def _response_lengths(micro_batch) -> torch.Tensor:
