@@ -24,17 +24,15 @@ def enabled() -> bool:
     return value in _ON
 
 
-def _load() -> None:
+_LOG = logging.getLogger(__name__)
+
+# Conditional on the switch: trainer.py imports verl's FSDP engine, which an off run must neither pay for
+# nor be touched by. verl swallows a plugin's load errors, so a failed install is logged here as well.
+if enabled():
     try:
-        if not enabled():
-            return
-        # imported only when on: it imports verl's FSDP engine, which an off run must not pay for or be touched by
-        from mask_replay.integrations.verl import trainer
+        import mask_replay.integrations.verl.trainer as verl_trainer
 
-        trainer.install()
+        verl_trainer.install()
     except Exception:
-        logging.getLogger(__name__).exception("mask_replay: %s is set but the verl drop-in did not install", SWITCH)
+        _LOG.exception("mask_replay: %s=1 but the verl drop-in did not install", SWITCH)
         raise
-
-
-_load()
