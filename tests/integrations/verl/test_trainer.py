@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("verl", reason="verl 0.9.1 is installed by `make venv-verl`")
 
+import os  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import verl  # noqa: E402
@@ -21,8 +23,10 @@ from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 from mask_replay.errors import InputError, OutsideSupportError  # noqa: E402
 from mask_replay.integrations.verl import trainer  # noqa: E402
 from mask_replay.integrations.verl.support_rows import SUPPORT_KEY  # noqa: E402
+from tests.helpers import torchrun  # noqa: E402
 from tests.integrations.verl import verl_helpers as h  # noqa: E402
 
+SP_WORKER = os.path.join(os.path.dirname(__file__), "verl_sp_worker.py")
 PROMPTS, RESPONSES = [3, 1, 4, 2, 5, 2], [5, 2, 6, 1, 3, 4]
 T = 0.7
 
@@ -164,3 +168,12 @@ def test_install_checks_the_verl_version(monkeypatch):
     with pytest.raises(ImportError, match="tested against verl 0.9.1, found verl 0.9.0"):
         trainer.install()
     assert not trainer.installed()
+
+
+@pytest.mark.slow  # torchrun, two ranks importing verl
+@pytest.mark.parametrize("bucket", [0, 16])
+def test_sequence_parallel_two_ranks(tmp_path, bucket):
+    proc = torchrun(2, SP_WORKER, str(bucket), timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in range(2):
+        assert f"rank {rank}: ok" in proc.stdout, proc.stdout[-3000:]
