@@ -10,6 +10,12 @@ Follows the released verl 0.9.1 file verl/workers/engine/fsdp/transformer_impl.p
   every row (so a row with nothing recorded, or the whole vocabulary, keeps verl's value bit for bit),
   then the recorded rows are replaced by log-probs renormalised over their support (mask_replay's
   ``replay_logprobs``, with gradients). verl's entropy and its SP gather and nesting are untouched.
+- ``FSDPEngineWithLMHead.forward_step`` (wrapped): adds the micro-batch's replay metrics,
+  ``replay/kept_mass/mean`` (exp(log pi_V - log pi_K) of the sampled token, i.e. the support's share of
+  the full softmax) and ``replay/support_size/mean``, over this rank's replayed rows, to the metrics dict
+  verl collects per micro-batch (postprocess_batch_func, then reduce_metrics: the mean over micro-batches
+  and DP ranks). verl logs the update_actor pass's metrics; those of compute_log_prob are not logged by
+  verl (ray_trainer reads only its mfu).
 - ``EngineRegistry.new`` (verl/workers/engine/base.py, wrapped): start-up refusal of what is not built
   (another engine backend than fsdp / fsdp2 for the actor and reference, fused kernels).
 
@@ -43,7 +49,9 @@ TESTED_VERL = "0.9.1"
 _BACKENDS = ("fsdp", "fsdp2")
 _ACTIVE: contextvars.ContextVar[Optional[LocalSupport]] = contextvars.ContextVar("mask_replay_verl_support",
                                                                                   default=None)
+_STATS: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("mask_replay_verl_stats", default=None)
 _ORIGINALS: dict[str, Any] = {}
+KEPT_MASS, SUPPORT_SIZE = "replay/kept_mass/mean", "replay/support_size/mean"
 
 
 def installed() -> bool:
@@ -60,9 +68,11 @@ def install() -> None:
     cls = transformer_impl.FSDPEngineWithLMHead
     _ORIGINALS["logprobs_from_logits"] = transformer_impl.logprobs_from_logits
     _ORIGINALS["prepare_model_outputs"] = cls.__dict__["prepare_model_outputs"]
+    _ORIGINALS["forward_step"] = cls.__dict__["forward_step"]
     _ORIGINALS["new"] = EngineRegistry.__dict__["new"]
     transformer_impl.logprobs_from_logits = _replayed_logprobs_from_logits
     cls.prepare_model_outputs = _prepare_model_outputs
+    cls.forward_step = _forward_step
     EngineRegistry.new = classmethod(_checked_new)
 
 
@@ -72,6 +82,7 @@ def uninstall() -> None:
         return
     transformer_impl.logprobs_from_logits = _ORIGINALS.pop("logprobs_from_logits")
     transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs = _ORIGINALS.pop("prepare_model_outputs")
+    transformer_impl.FSDPEngineWithLMHead.forward_step = _ORIGINALS.pop("forward_step")
     EngineRegistry.new = _ORIGINALS.pop("new")
 
 
@@ -125,6 +136,20 @@ def _prepare_model_outputs(self, output, output_args, micro_batch, logits_proces
         _ACTIVE.reset(token)
 
 
+@functools.wraps(transformer_impl.FSDPEngineWithLMHead.forward_step)
+def _forward_step(self, micro_batch, loss_function, forward_only):
+    stats = {"rows": 0, "kept_mass": 0.0, "support_size": 0}
+    token = _STATS.set(stats)
+    try:
+        loss, output = _ORIGINALS["forward_step"](self, micro_batch, loss_function, forward_only)
+    finally:
+        _STATS.reset(token)
+    if stats["rows"]:
+        output["metrics"][KEPT_MASS] = stats["kept_mass"] / stats["rows"]
+        output["metrics"][SUPPORT_SIZE] = stats["support_size"] / stats["rows"]
+    return loss, output
+
+
 def _vocab_size(output) -> int:
     return int(output.logits.shape[-1])
 
@@ -148,4 +173,10 @@ def _replayed_logprobs_from_logits(logits, labels, inplace_backward=True):
     keep = layout.keep(logits.device)
     mask = layout.mask.to(logits.device)
     replayed = replay_logprobs(logits, mask, labels.to(torch.int64), loss_mask=keep, temperature=1.0)
+    stats = _STATS.get()
+    if stats is not None:
+        with torch.no_grad():
+            stats["rows"] += int(layout.positions.numel())
+            stats["kept_mass"] += float(torch.exp(verl_lp.float()[keep] - replayed[keep]).sum())
+            stats["support_size"] += int(mask.nnz)
     return torch.where(keep, replayed.to(verl_lp.dtype), verl_lp)

@@ -16,9 +16,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import verl  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.metric import reduce_metrics  # noqa: E402
 from verl.workers.engine.base import EngineRegistry  # noqa: E402
 from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
-from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches  # noqa: E402
 
 from mask_replay.errors import InputError, OutsideSupportError  # noqa: E402
 from mask_replay.integrations.verl import trainer  # noqa: E402
@@ -93,7 +94,8 @@ def test_unrecorded_and_whole_vocabulary_rows_keep_verls_value_bit_for_bit():
 
 
 def test_off_leaves_verl_unchanged():
-    original = (transformer_impl.logprobs_from_logits, transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs,
+    cls = transformer_impl.FSDPEngineWithLMHead
+    original = (transformer_impl.logprobs_from_logits, cls.prepare_model_outputs, cls.forward_step,
                 EngineRegistry.__dict__["new"])
     data = h.make_batch(4, PROMPTS, RESPONSES)
     e, model = h.engine(), h.ToyLM(4)
@@ -101,12 +103,34 @@ def test_off_leaves_verl_unchanged():
     trainer.install()
     assert transformer_impl.logprobs_from_logits is not original[0]
     trainer.uninstall()
-    assert (transformer_impl.logprobs_from_logits, transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs,
+    assert (transformer_impl.logprobs_from_logits, cls.prepare_model_outputs, cls.forward_step,
             EngineRegistry.__dict__["new"]) == original
     after = [h.response_logprobs(e, model, mb) for mb in micro_batches(data)]
     for b, a, mb in zip(before, after, micro_batches(data)):
         assert torch.equal(b, a)
         torch.testing.assert_close(b.double(), h.reference(model, mb, T, replay=False).detach(), atol=2e-6, rtol=0)
+
+
+def test_replay_metrics_reach_verls_metric_reduction(replay, monkeypatch):
+    # verl's own forward_step (device lookups stood in for the CPU: verl's get_device_id asks CUDA), then
+    # verl's postprocess_batch_func and reduce_metrics, as TrainingWorker and ray_trainer run them
+    monkeypatch.setattr(transformer_impl, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(transformer_impl, "get_device_name", lambda: "cpu")
+    data = h.make_batch(8, PROMPTS, RESPONSES, whole_rows={(0, 2)}, empty_rows={(3, 0)})
+    td = h.to_engine_batch(data, T, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+    mbs, indices = prepare_micro_batches(td)
+    e = h.engine()
+    e.module, e._autocast_dtype = h.ToyLM(8), torch.float32
+    outputs = [e.forward_step(mb, loss_function=None, forward_only=True)[1] for mb in mbs]
+    for out, mb in zip(outputs, mbs):
+        kept, size = h.kept_and_sizes(e.module, mb, T)
+        assert out["metrics"][trainer.KEPT_MASS] == pytest.approx(kept, abs=1e-5)
+        assert out["metrics"][trainer.SUPPORT_SIZE] == pytest.approx(size, abs=1e-12)
+    reduced = reduce_metrics(postprocess_batch_func(outputs, indices, td)["metrics"])
+    expected = [h.kept_and_sizes(e.module, mb, T) for mb in mbs]
+    assert reduced[trainer.KEPT_MASS] == pytest.approx(np.mean([k for k, _ in expected]), abs=1e-5)
+    assert reduced[trainer.SUPPORT_SIZE] == pytest.approx(np.mean([s for _, s in expected]), abs=1e-12)
+    assert 0 < reduced[trainer.KEPT_MASS] < 1
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

@@ -120,3 +120,23 @@ def reference(model: ToyLM, micro_batch, temperature: float, replay: bool = True
     for i, j, v in rows:
         out = out.index_put((torch.tensor([i]), torch.tensor([j])), v.reshape(1))
     return out
+
+
+def kept_and_sizes(model: ToyLM, micro_batch, temperature: float):
+    """float64 (mean kept mass exp(lse_K - lse_V), mean |K|) over the recorded rows (non-empty, not the
+    whole vocabulary) of a micro-batch, token by token."""
+    E, P = model.E.double().detach(), model.P.double().detach()
+    ids, cu = micro_batch["input_ids"].values(), micro_batch["input_ids"].offsets()
+    pos = micro_batch["position_ids"].values()
+    lengths = micro_batch["attention_mask"][:, micro_batch["prompts"].shape[1]:].sum(1)
+    kept, sizes = [], []
+    for i, s in enumerate(tu.get(micro_batch, SUPPORT_KEY)):
+        start = int(cu[i + 1]) - int(lengths[i])
+        for j in range(int(lengths[i])):
+            row = s["token_ids"][s["offsets"][j]:s["offsets"][j + 1]]
+            if 0 < len(row) < V:
+                x = (E[ids[start + j - 1]] + P[pos[start + j - 1]]) / temperature
+                kept.append(float(torch.exp(torch.logsumexp(x[torch.as_tensor(row, dtype=torch.long)], 0)
+                                            - torch.logsumexp(x, 0))))
+                sizes.append(len(row))
+    return sum(kept) / len(kept), sum(sizes) / len(sizes)
