@@ -3,7 +3,8 @@ engine: vllm 0.24 (verl's rollout engine) is not installed here, so verl's vLLMH
 imported. StandInServer.generate has the shape of vLLMHttpServer.generate (iterates
 self.engine.generate(prompt=..., sampling_params=..., request_id=...) to the final output, returns a
 TokenOutput of outputs[0] with extra_fields); StandInEngine yields outputs carrying the attribute that
-mask-replay's vLLM plugin (issue 38) attaches. Neither is the real engine."""
+mask-replay's vLLM plugin (issue 38) attaches. Neither is the real engine. The last test hands the
+TokenOutputs on to verl's real AgentLoopWorker._postprocess and the trainer side."""
 import asyncio
 from types import SimpleNamespace
 
@@ -12,11 +13,19 @@ import pytest
 pytest.importorskip("verl", reason="verl 0.9.1 is installed by `make venv-verl`")
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
+    AgentLoopMetrics,
+    AgentLoopWorker,
+    _InternalAgentLoopOutput,
+)
+from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 
 from mask_replay.errors import EngineOutputError  # noqa: E402
-from mask_replay.integrations.verl import rollout  # noqa: E402
+from mask_replay.integrations.verl import rollout, trainer  # noqa: E402
 from mask_replay.integrations.verl.support_rows import SUPPORT_KEY  # noqa: E402
+from tests.integrations.verl import verl_helpers as h  # noqa: E402
 
 
 class Support:
@@ -98,3 +107,42 @@ def test_uninstall_restores_generate():
     assert cls.__dict__["generate"] is original
     out = asyncio.run(cls(StandInEngine()).generate([1], {}, "req-1"))
     assert SUPPORT_KEY not in out.extra_fields
+
+
+def test_extra_fields_reach_replay_through_verls_agent_loop(server_cls):
+    """TokenOutput.extra_fields (stand-in server) -> verl's own AgentLoopWorker._postprocess (the padded
+    per-sample outputs as single_turn_agent_loop hands them on, built here) -> DataProto -> micro-batches
+    -> the replayed log-probs, against the float64 reference over each sample's own support."""
+    server = server_cls(StandInEngine())
+
+    async def three():
+        return await asyncio.gather(*(server.generate([1], {}, f"req-{b}") for b in (10, 20, 30)))
+
+    p, r = 3, 5  # verl pads prompts on the left, responses on the right
+    inputs = []
+    for k, out in enumerate(asyncio.run(three())):
+        prompt, response = list(range(1, k + 2)), list(out.token_ids)
+        prompts = torch.tensor([[0] * (p - len(prompt)) + prompt])
+        responses = torch.tensor([response + [0] * (r - len(response))])
+        attention = torch.tensor([[0] * (p - len(prompt)) + [1] * len(prompt) + [1] * len(response) +
+                                  [0] * (r - len(response))])
+        inputs.append(_InternalAgentLoopOutput(
+            prompt_ids=prompts, response_ids=responses, input_ids=torch.cat([prompts, responses], 1),
+            position_ids=(attention.cumsum(1) - 1).clamp(min=0), response_mask=attention[:, p:],
+            attention_mask=attention, metrics=AgentLoopMetrics(), num_turns=2,
+            extra_fields=out.extra_fields))
+    worker = AgentLoopWorker.__new__(AgentLoopWorker)  # _postprocess reads only this attribute
+    worker.reward_loop_worker_handles = None
+    data = worker._postprocess(inputs)
+    assert [s["offsets"].tolist() for s in data.non_tensor_batch[SUPPORT_KEY]] == [[0, 2, 4, 6]] * 3
+    trainer.install()
+    try:
+        e, model = h.engine(), h.ToyLM(9)
+        for mb in prepare_micro_batches(h.to_engine_batch(data, 0.9, use_dynamic_bsz=False,
+                                                          micro_batch_size_per_gpu=3))[0]:
+            lp = h.response_logprobs(e, model, mb)
+            ref = h.reference(model, mb, 0.9)
+            torch.testing.assert_close(lp.double(), ref.detach(), atol=2e-6, rtol=0)
+            assert (ref - h.reference(model, mb, 0.9, replay=False)).abs().max() > 0.1
+    finally:
+        trainer.uninstall()
