@@ -147,7 +147,7 @@ experiment-trl: venv-vllm
 VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_PIN := verl==0.9.1
-VERL_EXT = $$(ls build-verl/mask_replay/_C*.so)
+VERL_EXT = $$(ls $(CURDIR)/build-verl/mask_replay/_C*.so)  # absolute: the torchrun tests run in a temporary folder
 
 $(VERL_VENV)/.deps: requirements-verl.txt setup.py
 	$(PYTHON) -m venv $(VERL_VENV)
