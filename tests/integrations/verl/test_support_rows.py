@@ -105,6 +105,9 @@ def test_row_count_mismatch_names_sample_and_position():
     with pytest.raises(InputError, match=r"sample 1: the support has 1 rows but the response has 2 tokens "
                                          r"\(response position 1"):
         local_support(short, ids, cu, resp, vocab_size=V)
+    with pytest.raises(InputError, match="multi-turn / tool agent loops, whose responses hold tokens nobody sampled, "
+                                         "are not supported yet"):
+        local_support(short, ids, cu, resp, vocab_size=V)
 
 
 def test_token_outside_its_row_names_sample_and_position():
