@@ -20,7 +20,7 @@ export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
 .PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs venv-vllm experiment-trl \
-	model-export check-vllm-support bench-vllm-support
+	model-export check-vllm-support bench-vllm-support venv-verl check-verl
 
 $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -158,5 +158,32 @@ experiment-trl: venv-vllm
 	MASK_REPLAY_VLLM_SUPPORT=1 $(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs replay
 	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation transformers --runs both
 
+# make venv-verl  the verl 0.9.1 venv (VERL_VENV): verl needs transformers <5.11, so it cannot share TRL's venv;
+#                  verl --no-deps plus what the modules mask_replay uses import (requirements-verl.txt), and
+#                  mask_replay's CPU extension built against that venv's torch into build-verl/
+# make check-verl  the verl tests (tests/integrations/verl) against the real verl, in that venv
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_PIN := verl==0.9.1
+VERL_EXT = $$(ls $(CURDIR)/build-verl/mask_replay/_C*.so)  # absolute: the torchrun tests run in a temporary folder
+
+$(VERL_VENV)/.deps: requirements-verl.txt setup.py
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install -q --upgrade pip
+	$(VERL_PY) -m pip install -q -r requirements-verl.txt setuptools wheel
+	$(VERL_PY) -m pip install -q --no-deps $(VERL_PIN)
+	MASK_REPLAY_SKIP_EXT=1 $(VERL_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(VERL_PY) -c "import verl, verl.workers.engine.fsdp.transformer_impl; print('verl', verl.__version__)"
+	touch $@
+
+build-verl/.built: $(VERL_VENV)/.deps $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
+	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(VERL_PY) setup.py -q build_ext --build-lib build-verl --build-temp build-verl/obj
+	touch $@
+
+venv-verl: build-verl/.built
+
+check-verl: venv-verl
+	MASK_REPLAY_EXTENSION=$(VERL_EXT) $(VERL_PY) -m pytest -q -p no:cacheprovider tests/integrations/verl
+
 clean:
-	rm -rf build build-asan build-vllm *.egg-info mask_replay/_C*.so
+	rm -rf build build-asan build-vllm build-verl *.egg-info mask_replay/_C*.so

