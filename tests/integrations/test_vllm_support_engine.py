@@ -2,9 +2,10 @@
 without it): a short run of the exactness check (vllm_support_engine.py; `make check-vllm-support` runs the
 full one), and a real OpenAI-compatible server started here on 127.0.0.1 with the plugin on: its
 /v1/completions and /v1/chat/completions choices carry supports that SamplingMask.from_vllm reads, and
-ReplayGRPOTrainer in server mode (this venv's TRL 1.16) replays over them with TRL's IS ratio at 1.
+ReplayGRPOTrainer in server mode (trl_server_child.py, in the engine venv: TRL 1.16 wants vLLM importable even
+in server mode) replays over them with TRL's IS ratio at 1.
 
-TRL's server mode also opens an NCCL weight-transfer group, which cannot form on a CPU: the trainer here
+TRL's server mode also opens an NCCL weight-transfer group, which cannot form on a CPU: the trainer there
 runs its first step only (no weight update has happened, so trainer and server hold the same weights) with
 `VLLMClient.init_communicator` / `VLLMGeneration.sync_weights` replaced by no-ops. Everything else is
 TRL's, the server's and the plugin's own code."""
@@ -13,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -107,25 +107,15 @@ def test_completions_and_chat_choices_carry_the_supports(server):
     assert int(SamplingMask.from_vllm(chat).lengths().max()) <= 20
 
 
-def test_trl_server_mode_replays_over_the_servers_supports(server, model_dir, tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl.generation.vllm_client import VLLMClient
-    from trl.generation.vllm_generation import VLLMGeneration
-
-    from mask_replay.integrations import _trl_vllm
-    from mask_replay.integrations.trl import ReplayGRPOTrainer
-    from tests.integrations.trl_helpers import grpo_args, prompts, reward_len
-
-    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=0: None)  # NCCL: not on a CPU
-    monkeypatch.setattr(VLLMGeneration, "sync_weights", lambda self: None)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trainer = ReplayGRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"), reward_funcs=reward_len,
-        args=grpo_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server, top_p=0.9,
-                       max_steps=1), train_dataset=prompts(4), processing_class=tokenizer)
-    assert trainer.replay_vllm_support.source == _trl_vllm.PLUGIN and trainer.vllm_generation.logprobs == 0
-    trainer.train()
-    logged = trainer.state.log_history[0]
+def test_trl_server_mode_replays_over_the_servers_supports(server, model_dir, tmp_path):
+    env = engine_env()
+    del env["MASK_REPLAY_VLLM_SUPPORT"]  # the trainer's process needs no plugin: the server has it
+    proc = subprocess.run([VLLM_PY, "-m", "tests.integrations.trl_server_child", server, model_dir, str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and result, proc.stderr[-3000:]
+    result = json.loads(result[0][len("RESULT "):])
+    assert result["source"] == "plugin" and result["logprobs"] == 0  # what plain GRPOTrainer asks
+    logged = result["log"]
     assert abs(logged["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3, logged
     assert logged["replay/support_size/mean"] > 1 and 0 < logged["replay/kept_mass/mean"] < 1
-    assert sys.modules.get("vllm") is None  # the trainer side never imported vLLM

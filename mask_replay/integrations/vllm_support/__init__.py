@@ -20,6 +20,7 @@ Runner V2. `SamplingMask.from_vllm(outputs)` reads the supports (offline outputs
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -32,6 +33,8 @@ ENV = "MASK_REPLAY_VLLM_SUPPORT"
 READ_VLLM = ("0.24", "0.25", "0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33")
 RAN_VLLM = ("0.32",)
 _SERVING_MODULES = ("vllm.entrypoints.openai.completion.serving", "vllm.entrypoints.openai.chat_completion.serving")
+_SERVER_MARKERS = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers", "vllm.entrypoints.cli.launch",
+                   "vllm.entrypoints.openai.completion.serving")
 
 
 def enabled(environ=os.environ) -> bool:
@@ -76,9 +79,16 @@ def install() -> None:
                        current_config=get_current_vllm_config_or_none)
     sampler.refuse_v2(v2_sampler.Sampler)
     outputs.install(LogprobsProcessor, RequestState, RequestOutputKind.DELTA)
-    if all(name in sys.modules for name in _SERVING_MODULES):
-        completion, chat = (sys.modules[name] for name in _SERVING_MODULES)
+    if _in_server_process():
+        completion, chat = (importlib.import_module(name) for name in _SERVING_MODULES)
         serving.install(completion.OpenAIServingCompletion, chat.OpenAIServingChat)
+
+
+def _in_server_process() -> bool:
+    """vLLM's OpenAI server (api_server, `vllm serve`, its launchers) is loaded in this process: there the
+    plugin runs before the serving modules are imported, so they are imported here (the server imports them
+    anyway); an offline `LLM` process and engine workers never load them for nothing."""
+    return any(name.startswith(_SERVER_MARKERS) for name in list(sys.modules))
 
 
 def uninstall() -> None:
