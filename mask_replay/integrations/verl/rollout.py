@@ -16,7 +16,9 @@ request. An aborted request (no tokens) gets nothing.
 
 Not built: multi-turn / tool agent loops (verl's tool_agent_loop keeps the first turn's extra_fields
 only, so its samples reach the trainer with fewer rows than response tokens, and the trainer refuses
-them naming the sample); the support-recording vLLM plugin itself (issue 38).
+them naming the sample); the wiring to MASK_REPLAY_VERL (call ``install()`` in the rollout server's process;
+the supports themselves come from mask-replay's vLLM plugin, integrations/vllm_support, with
+MASK_REPLAY_VLLM_SUPPORT=1 in that process's environment).
 """
 from __future__ import annotations
 
