@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from mask_replay.files.dumps import Dump
@@ -34,6 +35,7 @@ def test_a_sparse_64_gib_dump_streams_its_first_and_last_rows(tmp_path):
             del rows
 
 
+@pytest.mark.slow  # >= 1.4 s: make test runs it, the inner loop (-m 'not slow') does not
 def test_streamed_chunks_stay_readable_after_later_chunks_and_close(tmp_path):
     """A chunk handed out by get(stream=True) views its own map: reading the next chunks, or closing
     the dump, must not unmap it under the tensor (that was a segfault, so this runs in a child)."""

@@ -70,6 +70,7 @@ CHUNKS = st.sampled_from([1, 2, 3, 7, 1000, None])
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31), rows=st.integers(0, 30), entries=st.booleans(), extras=st.booleans(),
        chunk=CHUNKS, extra_width=st.integers(0, 3))
+@pytest.mark.slow  # >= 1.4 s: make test runs it, the inner loop (-m 'not slow') does not
 def test_chunked_convert_writes_the_bytes_of_the_whole_mask_path(seed, rows, entries, extras, chunk, extra_width):
     mask = random_mask(seed, rows, entries, extras)
     widest = int(mask.lengths().max()) if rows else 0

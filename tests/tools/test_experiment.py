@@ -48,6 +48,7 @@ def tiny_config(**kw):
     return ExperimentConfig(**base)
 
 
+@pytest.mark.slow  # >= 1.4 s: make test runs it, the inner loop (-m 'not slow') does not
 def test_shared_precision_no_update_replay_ratio_is_one_and_no_replay_is_kept_mass(tmp_path):
     tok, model = tiny_policy()
     res = run_experiment(tmp_path / "out", tiny_config(lr=0.0), model=model, tokenizer=tok, progress=False,

@@ -64,6 +64,7 @@ def _check(case, backend):
     assert got.abs().sum() > 0
 
 
+@pytest.mark.slow  # >= 1.4 s: make test runs it, the inner loop (-m 'not slow') does not
 @pytest.mark.parametrize("case", CASES)
 def test_layouts_compile_fullgraph_aot_eager(case):
     _check(case, "aot_eager")

@@ -379,6 +379,7 @@ def test_opcheck(device):
         torch.library.opcheck(op, args)
 
 
+@pytest.mark.slow  # >= 1.4 s: make test runs it, the inner loop (-m 'not slow') does not
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_fullgraph_forward_backward(device, backend):
