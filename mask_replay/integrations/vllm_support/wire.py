@@ -91,6 +91,47 @@ def decode(blocks: np.ndarray) -> list[np.ndarray]:
     return out
 
 
+class RowBuffer:
+    """One request's rows so far, appended step by step into arrays that grow by doubling.
+
+    ``rows(start, stop)`` hands out rows [start, stop) as a SupportRows; rows [0, stop) are views of the
+    buffer (never copied: a streamed request, whose every output carries all rows so far, costs O(T) in
+    all rather than O(T^2)). Appending never changes what an earlier view shows: it writes past the
+    filled part, and growing moves to new arrays while old views keep the old ones."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._ids = np.zeros(64, dtype=np.int32)
+        self._offsets = np.zeros(17, dtype=np.int64)
+        self.num_rows = 0
+
+    def extend(self, rows: list[np.ndarray]) -> None:
+        nnz = int(self._offsets[self.num_rows])
+        need_ids = nnz + sum(r.size for r in rows)
+        need_rows = self.num_rows + len(rows) + 1
+        if need_ids > self._ids.size:
+            self._ids = _grown(self._ids, need_ids, nnz)
+        if need_rows > self._offsets.size:
+            self._offsets = _grown(self._offsets, need_rows, self.num_rows + 1)
+        for row in rows:
+            self._ids[nnz:nnz + row.size] = row
+            nnz += row.size
+            self.num_rows += 1
+            self._offsets[self.num_rows] = nnz
+
+    def rows(self, start: int = 0, stop: int | None = None) -> SupportRows:
+        stop = self.num_rows if stop is None else stop
+        lo, hi = int(self._offsets[start]), int(self._offsets[stop])
+        offsets = self._offsets[start:stop + 1]
+        return SupportRows(self._ids[lo:hi], offsets - lo if lo else offsets, self.vocab_size)
+
+
+def _grown(values: np.ndarray, need: int, filled: int) -> np.ndarray:
+    grown = np.zeros(max(need, 2 * values.size), dtype=values.dtype)
+    grown[:filled] = values[:filled]
+    return grown
+
+
 def join(rows: list[np.ndarray], vocab_size: int) -> SupportRows:
     """Per-token id arrays as one SupportRows."""
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)

@@ -86,3 +86,16 @@ def test_split_leaves_plain_lists_alone():
     lists = LogprobsLists(np.zeros((2, 3), np.int32), np.zeros((2, 3), np.float32), np.zeros(2, np.int64))
     plain, blocks = outputs.split(lists)
     assert plain is lists and blocks is None
+
+
+def test_cumulative_outputs_carry_all_rows_so_far_without_rejoining(classes):
+    # AsyncLLM streaming (verl's rollout server) builds a completion at every step with all tokens so far
+    _, state_cls = classes
+    state = state_cls(OutputKind.CUMULATIVE)
+    seen = []
+    for t in range(40):
+        step(state, [t % V, (t + 7) % V], t % V)
+        seen.append(state._new_completion_output(None, None, None).sampling_support)
+    for t, support in enumerate(seen):
+        assert rows_of(support) == [sorted({s % V, (s + 7) % V}) for s in range(t + 1)]
+    assert np.shares_memory(seen[-2].token_ids, seen[-1].token_ids)  # views of one buffer, not joined anew

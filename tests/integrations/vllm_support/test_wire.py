@@ -95,3 +95,36 @@ def test_join_gives_csr():
     rows = wire.join([np.array([1, 4], np.int32), np.array([], np.int32), np.array([0], np.int32)], 8)
     assert rows.offsets.tolist() == [0, 2, 2, 3] and rows.token_ids.tolist() == [1, 4, 0] and rows.vocab_size == 8
     assert wire.join([], 8).num_rows == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(0, 150), max_size=4), max_size=40), seed=st.integers(0, 2**31 - 1),
+       cut=st.integers(0, 200))
+def test_row_buffer_hands_out_what_join_builds(steps, seed, cut):
+    # rows of random sizes (some wider than the first allocation) appended step by step; every view handed
+    # out along the way must still show its rows after later appends and growth
+    rng = np.random.default_rng(seed)
+    buffer, everything, handed = wire.RowBuffer(300), [], []
+    for sizes in steps:
+        rows = [np.sort(rng.choice(300, size, replace=False)).astype(np.int32) for size in sizes]
+        buffer.extend(rows)
+        everything.extend(rows)
+        handed.append((buffer.rows(), len(everything)))
+    for view, n in handed:
+        expected = wire.join(everything[:n], 300)
+        assert view.offsets.tolist() == expected.offsets.tolist()
+        assert view.token_ids.tolist() == expected.token_ids.tolist() and view.vocab_size == 300
+    start = min(cut, buffer.num_rows)
+    tail = buffer.rows(start)
+    expected = wire.join(everything[start:], 300)
+    assert tail.offsets.tolist() == expected.offsets.tolist() and tail.token_ids.tolist() == expected.token_ids.tolist()
+
+
+def test_row_buffer_views_are_not_copies():
+    # the point of the buffer: a streamed request's outputs share memory instead of re-joining all rows
+    buffer = wire.RowBuffer(8)
+    buffer.extend([np.array([1, 2], np.int32)])
+    first = buffer.rows()
+    buffer.extend([np.array([3], np.int32)])
+    second = buffer.rows()
+    assert np.shares_memory(first.token_ids, second.token_ids) and first.token_ids.tolist() == [1, 2]
