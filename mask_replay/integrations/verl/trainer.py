@@ -7,9 +7,10 @@ Follows the released verl 0.9.1 file verl/workers/engine/fsdp/transformer_impl.p
   without remove-padding, on the unpadded packed labels. The wrapper works out where each sample's
   recorded rows land in that slice (support_rows.local_support) and holds them for the call.
 - ``transformer_impl.logprobs_from_logits`` (replaced, module global): verl's own function runs on
-  every row (so a row with nothing recorded, or the whole vocabulary, keeps verl's value bit for bit),
-  then the recorded rows are replaced by log-probs renormalised over their support (mask_replay's
-  ``replay_logprobs``, with gradients). verl's entropy and its SP gather and nesting are untouched.
+  every row without a graph (so a row with nothing recorded, or the whole vocabulary, keeps verl's value
+  bit for bit), and the recorded rows are replaced by log-probs renormalised over their support
+  (mask_replay's ``replay_where``: one backward, the support's gradient on recorded rows, the full
+  softmax gradient on the others). verl's entropy and its SP gather and nesting are untouched.
 - ``FSDPEngineWithLMHead.forward_step`` (wrapped): adds the micro-batch's replay metrics,
   ``replay/kept_mass/mean`` (exp(log pi_V - log pi_K) of the sampled token, i.e. the support's share of
   the full softmax) and ``replay/support_size/mean``, over this rank's replayed rows, to the metrics dict
@@ -41,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without verl
 
 from mask_replay.errors import InputError
 from mask_replay.integrations.verl.support_rows import SUPPORT_KEY, LocalSupport, local_support
-from mask_replay.trainer.replay import replay_logprobs
+from mask_replay.trainer.replay_where import replay_where
 
 __all__ = ["install", "uninstall", "installed", "TESTED_VERL", "SUPPORT_KEY"]
 
@@ -157,26 +158,25 @@ def _vocab_size(output) -> int:
 def _replayed_logprobs_from_logits(logits, labels, inplace_backward=True):
     """verl's logprobs_from_logits, with the recorded rows renormalised over their support."""
     layout = _ACTIVE.get()
-    if layout is None:
+    if layout is None or layout.positions.numel() == 0:
         return _ORIGINALS["logprobs_from_logits"](logits, labels, inplace_backward=inplace_backward)
-    # inplace_backward would let flash-attn's cross entropy write its gradient into the logits, which
-    # replay's backward also reads: off while replaying (the forward values are the same)
-    verl_lp = _ORIGINALS["logprobs_from_logits"](logits, labels, inplace_backward=False)
-    if layout.positions.numel() == 0:
-        return verl_lp
     if logits.shape[0] != layout.local_length:
         raise InputError(f"replay layout has {layout.local_length} rows but verl computes {logits.shape[0]} "
                          "log-probs on this rank")
     expected = labels[layout.positions.to(labels.device)].to(torch.int64).cpu()
     if not torch.equal(expected, layout.mask.sampled):
         raise InputError("replay layout: the recorded rows do not line up with verl's labels on this rank")
+    # verl's own values on every row without a graph (unrecorded and whole rows keep them bit for bit);
+    # replay_where's one backward gives their rows the full softmax gradient and the recorded rows the
+    # support's: one dense gradient write, as verl alone pays (inplace_backward off: no graph here)
+    with torch.no_grad():
+        verl_lp = _ORIGINALS["logprobs_from_logits"](logits, labels, inplace_backward=False)
     keep = layout.keep(logits.device)
-    mask = layout.mask.to(logits.device)
-    replayed = replay_logprobs(logits, mask, labels.to(torch.int64), loss_mask=keep, temperature=1.0)
+    out = replay_where(keep, logits, layout.mask.to(logits.device), labels.to(torch.int64), verl_lp)
     stats = _STATS.get()
     if stats is not None:
         with torch.no_grad():
             stats["rows"] += int(layout.positions.numel())
-            stats["kept_mass"] += float(torch.exp(verl_lp.float()[keep] - replayed[keep]).sum())
-            stats["support_size"] += int(mask.nnz)
-    return torch.where(keep, replayed.to(verl_lp.dtype), verl_lp)
+            stats["kept_mass"] += float(torch.exp(verl_lp.float()[keep] - out.float()[keep]).sum())
+            stats["support_size"] += int(layout.mask.nnz)
+    return out
