@@ -79,39 +79,39 @@ def configure_engine(engine, *, temperature: float, top_k: Optional[int], top_p:
     return EngineSupport(LOGPROBS, settings)
 
 
-def _plugin_answers(engine) -> bool:
-    """Colocate: the plugin is installed in this process (which built the engine). Server: the main process
-    asks the server for one token and looks for the field; every process gets its answer."""
-    if getattr(engine, "mode", "colocate") != "server":
-        return vllm_support.active()
-    answer = [None]
+def _server_probe(engine, logprobs: int, answer):
+    """Server mode: the main process asks the server for one token with ``logprobs`` log-probs and returns
+    ``answer(choices)`` (``answer(None)`` when the server refuses that many log-probs: vLLM names
+    max_logprobs in its 400 answer); every process gets the main process's result."""
+    result = [None]
     client = getattr(engine, "vllm_client", None)
     if client is not None:  # the main process only
-        choices = client._post(f"{client.base_url}/v1/completions",
-                               json={"model": client.model, "prompt": [[0]], "max_tokens": 1, "logprobs": 0,
-                                     "return_token_ids": True})["choices"]
-        answer = [bool(choices) and choices[0].get(SUPPORT_FIELD) is not None]
-    broadcast_object_list(answer, from_process=0)
-    return bool(answer[0])
-
-
-def _server_allows(engine, n: int) -> bool:
-    """Server mode: the main process asks for one token with n log-probs; a server whose max_logprobs is
-    below n refuses it (vLLM names max_logprobs in its 400 answer). Other modes: True."""
-    if getattr(engine, "mode", "colocate") != "server":
-        return True
-    answer = [True]
-    client = getattr(engine, "vllm_client", None)
-    if client is not None:
         try:
-            client._post(f"{client.base_url}/v1/completions", json={"model": client.model, "prompt": [[0]],
-                                                                     "max_tokens": 1, "logprobs": n})
+            choices = client._post(f"{client.base_url}/v1/completions",
+                                   json={"model": client.model, "prompt": [[0]], "max_tokens": 1, "logprobs": logprobs,
+                                         "return_token_ids": True})["choices"]
         except Exception as exc:  # TRL's client raises a bare Exception carrying the server's answer
             if "logprobs" not in str(exc):
                 raise
-            answer = [False]
-    broadcast_object_list(answer, from_process=0)
-    return bool(answer[0])
+            choices = None
+        result = [answer(choices)]
+    broadcast_object_list(result, from_process=0)
+    return result[0]
+
+
+def _plugin_answers(engine) -> bool:
+    """Colocate: the plugin is installed in this process (which built the engine). Server: a one-token
+    answer carries the field."""
+    if getattr(engine, "mode", "colocate") != "server":
+        return vllm_support.active()
+    return bool(_server_probe(engine, 0, lambda choices: bool(choices) and choices[0].get(SUPPORT_FIELD) is not None))
+
+
+def _server_allows(engine, n: int) -> bool:
+    """Server mode: the server answers a one-token request with n log-probs. Other modes: True."""
+    if getattr(engine, "mode", "colocate") != "server":
+        return True
+    return bool(_server_probe(engine, n, lambda choices: choices is not None))
 
 
 def _max_logprobs(engine) -> Optional[int]:
