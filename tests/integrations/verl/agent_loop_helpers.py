@@ -15,15 +15,15 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from verl import DataProto
-from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, AgentLoopWorker, register
 from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
 from verl.tools.function_tool import FunctionTool
 from verl.tools.schemas import OpenAIFunctionSchema, OpenAIFunctionToolSchema
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-SPECIAL = ["[PAD]", "[UNK]", "<|im_start|>", "<|im_end|>", "\n"]
-WORDS = ["system", "user", "assistant", "tool", "CALL"] + [f"w{i}" for i in range(30)]
+SPECIAL = ["[PAD]", "[UNK]", "<|im_start|>", "<|im_end|>", "\n", "<|observation|>", "<|user|>"]
+WORDS = ["system", "user", "assistant", "tool", "CALL"] + [f"w{i}" for i in range(28)]
 VOCAB = SPECIAL + WORDS  # 40 ids
 ID = {t: i for i, t in enumerate(VOCAB)}
 TEMPLATE = ("{%- for m in messages -%}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>\n{%- endfor -%}"
@@ -35,8 +35,8 @@ def tokenizer() -> PreTrainedTokenizerFast:
     asks for that)."""
     core = Tokenizer(models.WordLevel(vocab=ID, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]",
-                                  eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|observation|>", "<|user|>"])
     tok.add_tokens(["\n"])
     tok.chat_template = TEMPLATE
     return tok
@@ -73,12 +73,14 @@ class Support:
 
 
 class ScriptedEngine:
-    """Answers a prompt whose user turn says `turnsK` with K tool calls, one per turn (w.. CALL <|im_end|>),
-    then a final answer; words depend on the prompt length. Each output carries the rows so far; every
-    call is logged (prompt, tokens, rows, the sampling params it got)."""
+    """Answers a prompt whose first word is wK with K tool calls, one per turn (w.. CALL, then `call_end`),
+    then a final answer (w.. <|im_end|>); words depend on the prompt length. Each output carries the rows
+    so far (`corrupt`: (turn, position): in every call that is a sample's turn-th, that position's row
+loses its token); every call is logged (prompt,
+    tokens, rows, the sampling params it got)."""
 
-    def __init__(self):
-        self.log = []
+    def __init__(self, call_end="<|im_end|>", corrupt=None):
+        self.log, self.call_end, self.corrupt = [], ID[call_end], corrupt
 
     async def generate(self, prompt, sampling_params, request_id, **_):
         ids = list(prompt["prompt_token_ids"])
@@ -86,9 +88,11 @@ class ScriptedEngine:
         calls = ids.count(ID["tool"])  # one "tool" turn per tool response so far
         n = len(ids)
         words = [ID[f"w{(n + k) % 20}"] for k in range(2 + n % 3)]
-        tokens = words + ([ID["CALL"]] if calls < wanted else []) + [ID["<|im_end|>"]]
+        tokens = words + ([ID["CALL"], self.call_end] if calls < wanted else [ID["<|im_end|>"]])
         tokens = tokens[:sampling_params.max_tokens]
         rows = [support_row(t, n + k) for k, t in enumerate(tokens)]
+        if self.corrupt is not None and self.corrupt[0] == calls:
+            rows[self.corrupt[1]] = [t for t in rows[self.corrupt[1]] if t != tokens[self.corrupt[1]]]
         self.log.append(SimpleNamespace(prompt=ids, tokens=tokens, rows=rows, sampling_params=sampling_params))
         for k in range(1, len(tokens) + 1):
             await asyncio.sleep(0)
@@ -101,13 +105,13 @@ class ScriptedServer:
     """The shape of vLLMHttpServer.generate: verl's logprobs flag to SamplingParams-like logprobs 0 / None,
     max_tokens from the config, iterate the engine to the final output, TokenOutput of outputs[0]."""
 
-    def __init__(self, engine, response_length):
-        self.engine, self.response_length = engine, response_length
+    def __init__(self, engine, max_tokens):
+        self.engine, self.max_tokens = engine, max_tokens
 
     async def generate(self, prompt_ids, sampling_params, request_id, **_):
         params = dict(sampling_params)
         params["logprobs"] = 0 if params.pop("logprobs", False) else None
-        params = Params(max_tokens=params.pop("max_tokens", self.response_length), **params)
+        params = Params(max_tokens=params.pop("max_tokens", self.max_tokens), **params)
         final = None
         async for output in self.engine.generate(prompt={"prompt_token_ids": prompt_ids}, sampling_params=params,
                                                  request_id=request_id):
@@ -164,7 +168,7 @@ def worker(cfg, server, model_type=None) -> AgentLoopWorker:
 
 def prompts(wanted_calls) -> DataProto:
     """One sample per entry: its user turn asks for that many tool calls."""
-    raw = [[{"role": "user", "content": f"w{k} w3"}] for k in wanted_calls]
+    raw = [[{"role": "user", "content": f"w{k}" + " w3" * (i + 1)}] for i, k in enumerate(wanted_calls)]
     return DataProto.from_dict(non_tensors={"raw_prompt": np.array(raw + [None], dtype=object)[:-1],
                                             "index": np.arange(len(raw))})
 
@@ -179,7 +183,25 @@ def expected_rows(engine: ScriptedEngine, data: DataProto, i: int) -> list[list[
     rows = [[] for _ in range(n)]
     for call in engine.log:
         p = len(call.prompt)
-        if seq[:p] == call.prompt and seq[p:p + len(call.tokens)] == call.tokens[:len(seq) - p]:
-            for k, row in enumerate(call.rows[:len(seq) - p]):
-                rows[p - prompt_len + k] = row
+        if seq[:p] != call.prompt:
+            continue
+        for k, (token, row) in enumerate(zip(call.tokens, call.rows)):
+            if p + k >= len(seq) or seq[p + k] != token:
+                break  # cut by the response length, or a token the builder removed after the turn
+            rows[p - prompt_len + k] = row
     return rows
+
+
+class RawLoop(AgentLoopBase):
+    """An agent loop that builds its response itself, without verl's continuous-token merge."""
+
+    async def run(self, sampling_params, **kwargs):
+        prompt = self.tokenizer.apply_chat_template(list(kwargs["raw_prompt"]), tokenize=True,
+                                                    add_generation_prompt=True)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        out = await self.server_manager.generate(request_id="raw", prompt_ids=prompt, sampling_params=sampling_params)
+        return AgentLoopOutput(prompt_ids=prompt, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids),
+                               num_turns=2, metrics={}, extra_fields=out.extra_fields)
+
+
+register("mask_replay_raw")(RawLoop)
