@@ -36,7 +36,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab=ID, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]", eos_token="<|im_end|>",
-                                  additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|observation|>", "<|user|>"])
+                                  additional_special_tokens=SPECIAL[2:4] + SPECIAL[5:])
     tok.add_tokens(["\n"])
     tok.chat_template = TEMPLATE
     return tok

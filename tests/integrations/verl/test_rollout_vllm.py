@@ -5,6 +5,7 @@ switch set by rollout.enable_vllm_support, what the wrapped launch_server calls 
 engine). Needs verl and vllm in one environment: `make check-verl-vllm` (verl --no-deps in an overlay on
 the engine venv's python); skipped elsewhere."""
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -55,8 +56,8 @@ class Engine:
             rows = [[t - 1, t] for t in tokens[:n]]
             support = SimpleNamespace(token_ids=np.array(sum(rows, []), dtype=np.int32),
                                       offsets=np.arange(0, 2 * n + 1, 2, dtype=np.int64))
-            logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in tokens[:n]] if sampling_params.logprobs is not None \
-                else None
+            asked = sampling_params.logprobs is not None
+            logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in tokens[:n]] if asked else None
             completion = SimpleNamespace(token_ids=tokens[:n], logprobs=logprobs, sampling_support=support,
                                          finish_reason="length" if n == 3 else None)
             yield SimpleNamespace(outputs=[completion], num_cached_tokens=0, kv_transfer_params=None)
@@ -124,7 +125,6 @@ def test_real_engine_rows_are_the_tokens():
     out = subprocess.run([sys.executable, "-c", REAL, str(MODEL)], env=env, cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    import json
     report = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("REPORT"))[7:])
     print(report)
     for r, asked in zip(report, [False, True, False]):
