@@ -162,6 +162,14 @@ def test_server_refuses_at_launch_before_the_engine_starts(server_cls):
     assert not hasattr(server, "launched")
 
 
+def test_server_switches_the_vllm_plugin_on_before_verl_starts_the_engine(server_cls, monkeypatch):
+    server = server_cls(StandInEngine(), config=rollout_config())
+    seen = []
+    monkeypatch.setattr(rollout, "enable_vllm_support", lambda: seen.append(hasattr(server, "launched")))
+    asyncio.run(server.launch_server())
+    assert seen == [False] and server.launched  # on once, before verl's own launch_server body ran
+
+
 def test_trainer_start_up_refuses_another_rollout_backend(monkeypatch):
     monkeypatch.delenv("MASK_REPLAY_VLLM_SUPPORT", raising=False)
     rollout.install_client()
