@@ -23,12 +23,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-try:  # verl is an optional dependency: make venv-verl
-    from verl.experimental.agent_loop import agent_loop as verl_agent_loop
-    from verl.utils.tokenizer import continuous_token
-except ImportError as exc:  # pragma: no cover - exercised only without verl
-    raise ImportError("mask_replay.integrations.verl.agent_loop needs verl 0.9.1: make venv-verl") from exc
-
 from mask_replay.integrations.verl.rollout import check_version
 from mask_replay.integrations.verl.support_rows import SUPPORT_KEY
 from mask_replay.integrations.verl.support_track import TRACK, SupportTrack
@@ -42,9 +36,16 @@ def installed() -> bool:
     return bool(_PATCHES)
 
 
-def install() -> None:
-    """Patch verl's AgentLoopWorker and ContinuousTokenBuilder (idempotent)."""
+def install(verl_agent_loop=None) -> None:
+    """Patch verl's AgentLoopWorker (of ``verl_agent_loop``, verl's agent_loop module: imported here when not
+    given) and ContinuousTokenBuilder (idempotent)."""
     check_version()
+    if verl_agent_loop is None:
+        # verl's agent loop pulls hydra, transformers and its tokenizer stack: only imported where it runs
+        from verl.experimental.agent_loop import agent_loop as verl_agent_loop
+    # the agent loop module imported it: no import cost here
+    from verl.utils.tokenizer import continuous_token
+
     _patch(verl_agent_loop.AgentLoopWorker, "_run_agent_loop", _tracked_run)
     _patch(verl_agent_loop.AgentLoopWorker, "_agent_loop_postprocess", _finished_postprocess)
     _patch(continuous_token.ContinuousTokenBuilder, "align_response_metadata", _mirrored_align)

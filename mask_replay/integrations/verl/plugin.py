@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["SWITCH", "enabled", "HOOKS"]
+__all__ = ["SWITCH", "enabled"]
 
 SWITCH = "MASK_REPLAY_VERL"
 _ON, _OFF = ("1",), ("", "0")
@@ -40,40 +40,25 @@ def enabled() -> bool:
     return value in _ON
 
 
-def _on_vllm_server(module) -> None:
-    from mask_replay.integrations.verl import rollout  # imports verl: only once the switch is on
-
-    rollout.install(module.vLLMHttpServer)
-
-
-def _on_llm_server(module) -> None:
-    from mask_replay.integrations.verl import rollout  # imports verl: only once the switch is on
-
-    rollout.install_client(module)
-
-
-def _on_agent_loop(module) -> None:
-    from mask_replay.integrations.verl import agent_loop  # imports verl's agent loop: only once the switch is on
-
-    agent_loop.install()
-
-
-HOOKS = {VLLM_SERVER: _on_vllm_server, LLM_SERVER: _on_llm_server, AGENT_LOOP: _on_agent_loop}
-
 _LOG = logging.getLogger(__name__)
 
 # Conditional on the switch: trainer.py imports verl's FSDP engine, which an off run must neither pay for
-# nor be touched by. verl swallows a plugin's load errors, so a failed install is logged here as well.
+# nor be touched by (rollout.py and agent_loop.py import verl's modules only when their hooks hand them
+# over). verl swallows a plugin's load errors, so a failed install is logged here as well.
 if enabled():
     try:
         # wrapt (the [verl] extra) is needed only with the switch on: its post-import hooks
         import wrapt
 
-        for _name, _hook in HOOKS.items():
-            wrapt.register_post_import_hook(_hook, _name)
-
+        import mask_replay.integrations.verl.agent_loop as verl_agent_loop
+        import mask_replay.integrations.verl.rollout as verl_rollout
         import mask_replay.integrations.verl.trainer as verl_trainer
 
+        HOOKS = {VLLM_SERVER: lambda module: verl_rollout.install(module.vLLMHttpServer),
+                 LLM_SERVER: verl_rollout.install_client,
+                 AGENT_LOOP: verl_agent_loop.install}
+        for _name, _hook in HOOKS.items():
+            wrapt.register_post_import_hook(_hook, _name)
         verl_trainer.install()
     except Exception:
         _LOG.exception("mask_replay: %s=1 but the verl drop-in did not install", SWITCH)

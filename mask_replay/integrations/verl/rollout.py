@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without verl
     raise ImportError("mask_replay.integrations.verl.rollout needs verl 0.9.1: make venv-verl") from exc
 
 from mask_replay.errors import EngineOutputError, InputError
+from mask_replay.integrations import vllm_support
 from mask_replay.integrations.verl.support_rows import SUPPORT_KEY
 from mask_replay.integrations.verl.support_track import TRACK
 from mask_replay.integrations.vllm_support.sampler import PROCESSED_MODES
@@ -92,10 +93,8 @@ def _get(config, key):
 
 def enable_vllm_support(environ=os.environ) -> None:
     """The vLLM plugin on in this process (its patches installed now, whether or not vLLM loaded its plugins
-    here already) and in every process it starts from now on (the switch in the environment they inherit)."""
-    # vllm_support imports vllm: only ever called in the rollout server's process, where verl imported it
-    from mask_replay.integrations import vllm_support
-
+    here already) and in every process it starts from now on (the switch in the environment they inherit).
+    vllm_support.install imports vllm: only ever called in the rollout server's process, which imported it."""
     environ[VLLM_SWITCH] = "1"
     vllm_support.install()
 
