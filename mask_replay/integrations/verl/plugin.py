@@ -2,9 +2,22 @@
 
 verl 0.9.1 imports every ``verl.plugins`` entry point at ``import verl``, in every process (driver, Ray
 workers; verl/__init__.py, unless VERL_USE_EXTERNAL_PLUGINS=none). With ``MASK_REPLAY_VERL=1`` in the
-environment this installs the trainer side (trainer.install()); unset or "0", verl is left unchanged and
-nothing of verl is imported from here. verl swallows a plugin's load errors (logged at debug level), so
-a failed install is logged here as an error as well.
+environment this installs the trainer side now (trainer.install()) and registers post-import hooks
+(wrapt's) that install the rest in whichever process imports the verl module it patches, right after
+that module is imported:
+
+- verl.workers.rollout.vllm_rollout.vllm_async_server (the vLLM rollout server's Ray actor, where
+  ``ray.remote(vLLMHttpServer)`` brings the class by module reference): rollout.install(); its
+  launch_server then switches mask-replay's vLLM plugin on for the engine it starts. vllm is imported
+  only by that module itself, never from here: a trainer-only process never imports it.
+- verl.workers.rollout.llm_server (agent-loop workers; the driver): rollout.install_client(), the
+  client's support collection and the driver's start-up check of the rollout config.
+- verl.experimental.agent_loop.agent_loop (agent-loop workers): agent_loop.install(), one support row
+  per response token across the turns of a sample.
+
+Unset or "0", verl is left unchanged and nothing of verl (nor wrapt) is imported from here. verl swallows
+a plugin's load errors (logged at debug level), so a failed install is logged here as an error as well; an
+error in a hook is raised by the import that triggered it (a start-up error of that process).
 """
 from __future__ import annotations
 
@@ -15,6 +28,9 @@ __all__ = ["SWITCH", "enabled"]
 
 SWITCH = "MASK_REPLAY_VERL"
 _ON, _OFF = ("1",), ("", "0")
+VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server"
+LLM_SERVER = "verl.workers.rollout.llm_server"
+AGENT_LOOP = "verl.experimental.agent_loop.agent_loop"
 
 
 def enabled() -> bool:
@@ -27,11 +43,22 @@ def enabled() -> bool:
 _LOG = logging.getLogger(__name__)
 
 # Conditional on the switch: trainer.py imports verl's FSDP engine, which an off run must neither pay for
-# nor be touched by. verl swallows a plugin's load errors, so a failed install is logged here as well.
+# nor be touched by (rollout.py and agent_loop.py import verl's modules only when their hooks hand them
+# over). verl swallows a plugin's load errors, so a failed install is logged here as well.
 if enabled():
     try:
+        # wrapt (the [verl] extra) is needed only with the switch on: its post-import hooks
+        import wrapt
+
+        import mask_replay.integrations.verl.agent_loop as verl_agent_loop
+        import mask_replay.integrations.verl.rollout as verl_rollout
         import mask_replay.integrations.verl.trainer as verl_trainer
 
+        HOOKS = {VLLM_SERVER: lambda module: verl_rollout.install(module.vLLMHttpServer),
+                 LLM_SERVER: verl_rollout.install_client,
+                 AGENT_LOOP: verl_agent_loop.install}
+        for _name, _hook in HOOKS.items():
+            wrapt.register_post_import_hook(_hook, _name)
         verl_trainer.install()
     except Exception:
         _LOG.exception("mask_replay: %s=1 but the verl drop-in did not install", SWITCH)

@@ -117,8 +117,8 @@ def local_support(supports: Sequence[Any], input_ids: torch.Tensor, cu_seqlens: 
         if mask.num_rows != r:
             raise InputError(f"sample {i}: the support has {mask.num_rows} rows but the response has {r} tokens "
                              f"(response position {min(mask.num_rows, r)} has no match)", key=SUPPORT_KEY,
-                             hint="multi-turn / tool agent loops, whose responses hold tokens nobody sampled, are "
-                                  "not supported yet")
+                             hint="every response token needs its row, an empty one where nobody sampled it (verl's "
+                                  "agent loops get them from MASK_REPLAY_VERL=1 in the agent-loop workers)")
         start = int(cu[i + 1]) - r  # the first response token's position in the packed sequence
         if start <= int(cu[i]):
             raise InputError(f"sample {i}: no prompt token before the response (verl predicts response token 0 "

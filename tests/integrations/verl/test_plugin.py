@@ -28,18 +28,29 @@ def test_unknown_switch_value_is_refused(monkeypatch):
         plugin.enabled()
 
 
+# the trainer side at `import verl`; the agent-loop side by the post-import hooks when verl's modules are
+# imported afterwards (as in an agent-loop worker); vllm never imported (the rollout server's hook needs it:
+# test_rollout_vllm.py)
 PROBE = """
 import sys, verl
 from verl.workers.engine.fsdp import transformer_impl
 from verl.utils import torch_functional
 patched = transformer_impl.logprobs_from_logits is not torch_functional.logprobs_from_logits
-print(patched, "mask_replay.integrations.verl.trainer" in sys.modules)
+from verl.experimental.agent_loop import agent_loop
+from verl.utils.tokenizer import continuous_token
+from verl.workers.rollout import llm_server
+hooked = ["mask_replay" in f.__code__.co_filename for f in (agent_loop.AgentLoopWorker._run_agent_loop,
+          agent_loop.AgentLoopWorker._agent_loop_postprocess, llm_server.LLMServerClient.generate,
+          llm_server.LLMServerManager.__init__, continuous_token.ContinuousTokenBuilder.align_response_metadata)]
+print(patched, "mask_replay.integrations.verl.trainer" in sys.modules, all(hooked), any(hooked),
+      "vllm" in sys.modules, "wrapt" in sys.modules)
 """
 
 
 @pytest.mark.skipif(not HAS_VERL, reason="verl 0.9.1 is installed by `make venv-verl`")
 @pytest.mark.slow  # two fresh interpreters importing verl (~10 s each)
-@pytest.mark.parametrize("value,expected", [("1", "True True"), ("0", "False False")])
+@pytest.mark.parametrize("value,expected", [("1", "True True True True False True"),
+                                            ("0", "False False False False False False")])
 def test_import_verl_installs_replay_only_when_switched_on(value, expected):
     env = {**os.environ, plugin.SWITCH: value}
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)

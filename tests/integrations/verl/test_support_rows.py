@@ -105,8 +105,7 @@ def test_row_count_mismatch_names_sample_and_position():
     with pytest.raises(InputError, match=r"sample 1: the support has 1 rows but the response has 2 tokens "
                                          r"\(response position 1"):
         local_support(short, ids, cu, resp, vocab_size=V)
-    with pytest.raises(InputError, match="multi-turn / tool agent loops, whose responses hold tokens nobody sampled, "
-                                         "are not supported yet"):
+    with pytest.raises(InputError, match="every response token needs its row, an empty one where nobody sampled it"):
         local_support(short, ids, cu, resp, vocab_size=V)
 
 
