@@ -2,12 +2,14 @@
 
 verl 0.9.1 imports every ``verl.plugins`` entry point at ``import verl``, in every process (driver, Ray
 workers; verl/__init__.py, unless VERL_USE_EXTERNAL_PLUGINS=none). With ``MASK_REPLAY_VERL=1`` in the
-environment this installs the trainer side (trainer.install()); unset or "0", verl is left unchanged and
+environment this installs the trainer side (trainer.install(), and megatron_engine.install() where
+megatron-core is importable); unset or "0", verl is left unchanged and
 nothing of verl is imported from here. verl swallows a plugin's load errors (logged at debug level), so
 a failed install is logged here as an error as well.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -33,6 +35,11 @@ if enabled():
         import mask_replay.integrations.verl.trainer as verl_trainer
 
         verl_trainer.install()
+        # verl's Megatron engine needs megatron-core (verl[megatron]); without it only the FSDP side installs
+        if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
+            import mask_replay.integrations.verl.megatron_engine as verl_megatron
+
+            verl_megatron.install()
     except Exception:
         _LOG.exception("mask_replay: %s=1 but the verl drop-in did not install", SWITCH)
         raise

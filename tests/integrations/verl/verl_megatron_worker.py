@@ -1,9 +1,9 @@
 """Replay in verl's Megatron engine with tensor parallelism 2 (2 CPU ranks, gloo), run by
 test_megatron_engine.py::test_tensor_parallel_two_ranks:
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/integrations/verl/verl_megatron_worker.py LAYOUT
+    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/integrations/verl/verl_megatron_worker.py
 
-LAYOUT: thd (verl's packing, each sample padded to a multiple of TP), thd-bucket (plus the static
+in each of verl's three layouts: thd (verl's packing, each sample padded to a multiple of TP), thd-bucket (plus the static
 bucket pad on the last sample), bshd (use_remove_padding=False). megatron-core's parallel_state is
 initialised for real (gloo, TP = 2, CP = PP = 1), so verl's preprocess_thd_engine / _bshd_engine,
 postprocess_*_engine and megatron-core's vocab_parallel_cross_entropy all run with their real process
@@ -202,21 +202,22 @@ def micro_batches(data):
     return mbs
 
 
-def main(layout: str) -> None:
+def main() -> None:
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(tensor_model_parallel_size=TP)
     rank = mpu.get_tensor_model_parallel_rank()
     transformer_impl.get_device_id = lambda: "cpu"  # verl's CUDA platform getter; the test runs on the CPU
     megatron_engine.install()
-    e, model = engine(layout), ToyColumnParallelLM(12, rank)
+    model = ToyColumnParallelLM(12, rank)
     # odd lengths (verl pads each THD sample to a multiple of TP), one row recorded as the whole
     # vocabulary, one recorded empty, one sample without a support
     data = h.make_batch(11, PROMPTS, RESPONSES, whole_rows={(2, 2)}, empty_rows={(0, 3)})
-    data.non_tensor_batch[SUPPORT_KEY][4] = None  # a sample with nothing recorded
-    for mb in micro_batches(data):
-        check_micro_batch(e, model, mb, rank)
-    if layout == "thd":
-        check_bad_input(e, model, rank)
+    data.non_tensor_batch[SUPPORT_KEY][4] = None
+    for layout in ("thd", "thd-bucket", "bshd"):
+        for mb in micro_batches(data):
+            check_micro_batch(engine(layout), model, mb, rank)
+        print(f"rank {rank}: {layout} ok", flush=True)
+    check_bad_input(engine("thd"), model, rank)
     megatron_engine.uninstall()
     trainer.uninstall()
     print(f"rank {rank}: ok", flush=True)
@@ -225,4 +226,4 @@ def main(layout: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()
