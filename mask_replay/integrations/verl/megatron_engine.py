@@ -40,7 +40,6 @@ from typing import Any, Optional
 import torch
 
 try:  # verl and megatron-core are optional dependencies: make venv-verl
-    import verl
     from megatron.core import parallel_state as mpu
     from verl.models.mcore import registry
     from verl.utils import tensordict_utils as tu
@@ -126,7 +125,8 @@ def _is_replay_processor(logits_processor) -> bool:
 def _forward_fn(model, input_ids, multi_modal_inputs, logits_processor=None, logits_processor_args=None, **kwargs):
     if _is_replay_processor(logits_processor) and logits_processor_args is not None:
         index = torch.arange(1, input_ids.values().shape[0] + 1, device=input_ids.device)
-        logits_processor_args[POSITIONS_KEY] = torch.nested.nested_tensor_from_jagged(index, offsets=input_ids.offsets())
+        nested = torch.nested.nested_tensor_from_jagged(index, offsets=input_ids.offsets())
+        logits_processor_args[POSITIONS_KEY] = nested
     return _ORIGINALS["forward_fn"](model, input_ids, multi_modal_inputs, logits_processor=logits_processor,
                                     logits_processor_args=logits_processor_args, **kwargs)
 

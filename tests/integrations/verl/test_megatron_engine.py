@@ -57,7 +57,8 @@ def megatron_config(**overrides):
 def test_megatron_layouts_not_built_are_refused_at_start_up(replay, built, key, value, what):
     with pytest.raises(NotImplementedError, match=f"{what} in the Megatron engine is not supported yet "
                                                   rf"\({KEY}.{key}={value!r}\)"):
-        EngineRegistry.new(model_type="language_model", backend="megatron", engine_config=megatron_config(**{key: value}))
+        EngineRegistry.new(model_type="language_model", backend="megatron",
+                           engine_config=megatron_config(**{key: value}))
     assert built == []
 
 
@@ -99,8 +100,8 @@ def test_uninstall_puts_verls_functions_back():
 PROBE = """
 import sys, verl
 from verl.workers.engine.megatron import transformer_impl
-from verl.utils.megatron import tensor_parallel
-patched = transformer_impl.vocab_parallel_log_probs_from_logits is not tensor_parallel.vocab_parallel_log_probs_from_logits
+from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_from_logits as verls
+patched = transformer_impl.vocab_parallel_log_probs_from_logits is not verls
 print(patched, "mask_replay.integrations.verl.megatron_engine" in sys.modules)
 """
 
@@ -118,5 +119,5 @@ def test_tensor_parallel_two_ranks(tmp_path):
     proc = torchrun(2, WORKER, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in range(2):
-        for layout in ("thd", "thd-bucket", "bshd", ""):
+        for layout in ("thd", "thd-bucket", "bshd", "bfloat16", ""):
             assert f"rank {rank}: {layout} ok".replace("  ", " ") in proc.stdout, proc.stdout[-3000:]

@@ -3,17 +3,19 @@ test_megatron_engine.py::test_tensor_parallel_two_ranks:
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/integrations/verl/verl_megatron_worker.py
 
-in each of verl's three layouts: thd (verl's packing, each sample padded to a multiple of TP), thd-bucket (plus the static
-bucket pad on the last sample), bshd (use_remove_padding=False). megatron-core's parallel_state is
-initialised for real (gloo, TP = 2, CP = PP = 1), so verl's preprocess_thd_engine / _bshd_engine,
-postprocess_*_engine and megatron-core's vocab_parallel_cross_entropy all run with their real process
-groups. verl runs from MegatronEngineWithLMHead.forward_step (its forward function, logits processor,
-log-probs) through postprocess_micro_batch_func (a loss function, metrics) and no_padding_2_padding.
-Stand-ins: the engine is built without __init__ (no mbridge, no model load) with only the attributes
-those methods read; verl's device getter transformer_impl.get_device_id returns "cpu" (verl's CUDA
-platform has no CPU device id); the model is a toy column-parallel head: rank r holds vocabulary
-columns [r * 22, (r + 1) * 22) of logits(token, position) = E[token] + P[position in its sequence],
-over a vocabulary padded from 40 (hf_config.vocab_size) to 44 columns, as Megatron pads it.
+in each of verl's three layouts: thd (verl's packing, each sample padded to a multiple of TP),
+thd-bucket (plus the static bucket pad on the last sample), bshd (use_remove_padding=False), and a
+bfloat16 pass. megatron-core's parallel_state is initialised for real (gloo, TP = 2, CP = PP = 1), so
+verl's preprocess_thd_engine / _bshd_engine, postprocess_*_engine and megatron-core's
+vocab_parallel_cross_entropy all run with their real process groups. verl runs from
+MegatronEngineWithLMHead.forward_step (its forward function, logits processor, log-probs) through
+postprocess_micro_batch_func (a loss function, metrics) and no_padding_2_padding. No process-group
+getter is stood in for. Stand-ins: the engine is built without __init__ (no mbridge, no model load)
+with only the attributes those methods read; verl's device getter transformer_impl.get_device_id
+returns "cpu" (verl's CUDA platform has no CPU device id); the model is a toy column-parallel head:
+rank r holds vocabulary columns [r * 22, (r + 1) * 22) of logits(token, position) = E[token] +
+P[position in its sequence], over a vocabulary padded from 40 (hf_config.vocab_size) to 44 columns,
+as Megatron pads it.
 Megatron's own schedule (forward_backward_func) and its GPTModel are not run.
 
 Checked on every rank, per micro-batch: the response log-probs against the float64 reference over the
@@ -50,15 +52,15 @@ PROMPTS, RESPONSES = [3, 1, 4, 2, 5], [5, 2, 6, 1, 4]
 class ToyColumnParallelLM(torch.nn.Module):
     """This rank's vocabulary columns of logits = E[token] + P[position within its sequence]."""
 
-    def __init__(self, seed: int, rank: int):
+    def __init__(self, seed: int, rank: int, dtype=torch.float32):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.E_full = torch.randn(h.V, PADDED, generator=g) * 2
         self.P_full = torch.randn(h.MAX_POS, PADDED, generator=g)
         cols = slice(rank * PADDED // TP, (rank + 1) * PADDED // TP)
         self.cols = cols
-        self.E = torch.nn.Parameter(self.E_full[:, cols].clone())
-        self.P = torch.nn.Parameter(self.P_full[:, cols].clone())
+        self.E = torch.nn.Parameter(self.E_full[:, cols].to(dtype))
+        self.P = torch.nn.Parameter(self.P_full[:, cols].to(dtype))
         self.pre_process = self.post_process = True
         self.config = SimpleNamespace(fp8=None)
 
@@ -105,8 +107,10 @@ def run(e, model, mb, weights):
 
 def reference(model, mb, replay: bool = True):
     """float64 response log-probs [B, R] token by token, the mean kept mass and mean |K| over the
-    replayed rows; a row not replayed is over all PADDED columns (verl's own softmax)."""
+    replayed rows; a row not replayed is over all PADDED columns (verl's own softmax). For a bfloat16
+    model, from the bfloat16 logits verl forms (E + P, then / T, each rounded to bfloat16), no gradients."""
     E, P = model.E_full.double().requires_grad_(), model.P_full.double().requires_grad_()
+    bf16 = model.E.dtype == torch.bfloat16
     ids, cu = mb["input_ids"].values(), mb["input_ids"].offsets()
     lengths = mb["attention_mask"][:, mb["prompts"].shape[1]:].sum(1)
     out = [[torch.zeros((), dtype=torch.float64)] * mb["responses"].shape[1] for _ in range(len(lengths))]
@@ -117,7 +121,11 @@ def reference(model, mb, replay: bool = True):
             row = torch.as_tensor(s["token_ids"][s["offsets"][j]:s["offsets"][j + 1]] if s is not None else [],
                                   dtype=torch.long)
             t = start + j - 1 - int(cu[i])  # the predicting token's position within its sequence
-            x = (E[ids[start + j - 1]] + P[t]) / T
+            if bf16:
+                x = ((model.E_full.bfloat16()[ids[start + j - 1]] + model.P_full.bfloat16()[t])
+                     / torch.tensor(T).bfloat16()).double()
+            else:
+                x = (E[ids[start + j - 1]] + P[t]) / T
             y = int(ids[start + j])
             if replay and 0 < len(row) < h.V:
                 out[i][j] = x[y] - torch.logsumexp(x[row], 0)
@@ -155,6 +163,22 @@ def check_micro_batch(e, model, mb, rank):
     untouched = mask & ~replayed
     assert untouched.sum() >= 2 and replayed.sum() >= 3
     assert torch.equal(lp.detach()[untouched], lp_off.detach()[untouched])
+
+
+def check_bfloat16(e, model, mb):
+    """bfloat16 logits (megatron-core's cross entropy then works on a float32 copy): log-probs against the
+    float64 reference from the same bfloat16 logits, bit-identity with replay off where replay leaves a row."""
+    mask = mb["attention_mask"][:, mb["prompts"].shape[1]:].bool()
+    w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4)) * mask
+    lp, metrics = run(e, model, mb, w)
+    assert model.E.grad is not None and model.E.grad.abs().sum() > 0
+    torch.testing.assert_close(lp.detach().double() * mask, reference(model, mb)[0] * mask, atol=2e-6, rtol=0)
+    megatron_engine.uninstall()
+    lp_off, _ = run(e, model, mb, w)
+    megatron_engine.install()
+    untouched = mask & ~replayed_rows(mb)
+    assert torch.equal(lp.detach()[untouched], lp_off.detach()[untouched])
+    assert (lp - lp_off).detach().abs().max() > 0.1
 
 
 def replayed_rows(mb) -> torch.Tensor:
@@ -217,6 +241,8 @@ def main() -> None:
         for mb in micro_batches(data):
             check_micro_batch(engine(layout), model, mb, rank)
         print(f"rank {rank}: {layout} ok", flush=True)
+    check_bfloat16(engine("thd"), ToyColumnParallelLM(12, rank, torch.bfloat16), micro_batches(data)[0])
+    print(f"rank {rank}: bfloat16 ok", flush=True)
     check_bad_input(engine("thd"), model, rank)
     megatron_engine.uninstall()
     trainer.uninstall()
