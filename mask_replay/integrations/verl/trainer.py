@@ -17,7 +17,8 @@ Follows the released verl 0.9.1 file verl/workers/engine/fsdp/transformer_impl.p
   and DP ranks). verl logs the update_actor pass's metrics; those of compute_log_prob are not logged by
   verl (ray_trainer reads only its mfu).
 - ``EngineRegistry.new`` (verl/workers/engine/base.py, wrapped): start-up refusal of what is not built
-  (another engine backend than fsdp / fsdp2 for the actor and reference, fused kernels).
+  (another engine backend than fsdp / fsdp2 for the actor and reference, fused kernels); a backend in
+  ``MORE_BACKENDS`` (megatron, added by megatron_engine.install()) passes with its own check.
 
 The supports travel per sample in ``non_tensor_batch[SUPPORT_KEY]`` through verl's own DataProto
 split / shuffle / micro-batching. ``install()`` / ``uninstall()`` put and take the patches back.
