@@ -7,9 +7,10 @@ verl/models/mcore/model_forward.py:
   returns, i.e. what ``MegatronEngineWithLMHead.forward_step`` calls): when replay is on it adds one more
   entry to ``logits_processor_args``, each token's index in the unpadded packed micro-batch (plus one).
   verl's forward function lays every entry of that dict out exactly as it lays out the labels (THD
-  packing with per-sample alignment to TP x CP, the static bucket pad, or BSHD padding; the labels
-  alone are rolled), so the logits processor receives, at each logits row, the index of the input
-  token there (0 on padding): where each response token's row lands is read off verl's own layout.
+  packing with per-sample alignment to TP x CP, the static bucket pad, context parallelism's zigzag
+  chunks, or BSHD padding; the labels alone are rolled), so the logits processor receives, at each
+  logits row, the index of the input token there (0 on padding): where each response token's row
+  lands is read off verl's own layout.
 - ``MegatronEngineWithLMHead._lm_head_logits_processor`` (wrapped): takes that entry off, works out
   this rank's replayed rows from the micro-batch's supports (``non_tensor_batch[SUPPORT_KEY]``, one
   CSR per sample; support_rows.recorded_rows) and holds them for verl's log-prob call.
@@ -25,11 +26,14 @@ verl/models/mcore/model_forward.py:
   and ``replay/support_size/mean`` over the micro-batch's replayed rows to its metrics, as trainer.py
   does on the FSDP side (identical on every TP rank).
 - start-up (trainer.py's ``EngineRegistry.new`` check, backend "megatron"): refuses, naming the config
-  key, what is not built: context parallelism (static or dynamic), pipeline stages (and virtual ones);
-  fused kernels are refused by trainer.py for every backend.
+  key, what is not built: dynamic context parallelism, pipeline stages (and virtual ones); fused
+  kernels are refused by trainer.py for every backend.
 
 Sequence parallelism needs nothing here: Megatron's output layer gathers the sequence before the
-vocab-parallel logits, so every TP rank holds all rows of its columns.
+vocab-parallel logits, so every TP rank holds all rows of its columns. Static context parallelism
+needs nothing more either: each CP rank replays the rows it holds, verl's postprocess_thd_engine
+all-gathers the log-probs (the other ranks' detached, as for verl's own), and the metrics of a CP rank
+cover its own rows.
 """
 from __future__ import annotations
 
@@ -102,9 +106,7 @@ def _check_config(kwargs: dict) -> None:
     cfg = kwargs.get("engine_config")
     if cfg is None:
         return
-    refused = [("context_parallel_size", getattr(cfg, "context_parallel_size", 1) not in (None, 1),
-                "context parallelism"),
-               ("dynamic_context_parallel", bool(getattr(cfg, "dynamic_context_parallel", False)),
+    refused = [("dynamic_context_parallel", bool(getattr(cfg, "dynamic_context_parallel", False)),
                 "dynamic context parallelism"),
                ("pipeline_model_parallel_size", getattr(cfg, "pipeline_model_parallel_size", 1) not in (None, 1),
                 "pipeline stages"),

@@ -50,8 +50,7 @@ def megatron_config(**overrides):
     return SimpleNamespace(**{**cfg, **overrides})
 
 
-@pytest.mark.parametrize("key,value,what", [("context_parallel_size", 2, "context parallelism"),
-                                            ("dynamic_context_parallel", True, "dynamic context parallelism"),
+@pytest.mark.parametrize("key,value,what", [("dynamic_context_parallel", True, "dynamic context parallelism"),
                                             ("pipeline_model_parallel_size", 2, "pipeline stages"),
                                             ("virtual_pipeline_model_parallel_size", 2, "virtual pipeline stages")])
 def test_megatron_layouts_not_built_are_refused_at_start_up(replay, built, key, value, what):
@@ -70,7 +69,8 @@ def test_megatron_backend_passes_start_up_once_installed(built):
             EngineRegistry.new(**new)
         megatron_engine.install()
         EngineRegistry.new(**new)
-        assert len(built) == 1 and built[0]["engine_config"].context_parallel_size == 1
+        EngineRegistry.new(**{**new, "engine_config": megatron_config(context_parallel_size=2)})
+        assert [kw["engine_config"].context_parallel_size for kw in built] == [1, 2]
         with pytest.raises(NotImplementedError, match="use_fused_kernels=True is not supported yet"):
             EngineRegistry.new(**{**new, "engine_config": megatron_config(use_fused_kernels=True)})
         megatron_engine.uninstall()
@@ -116,8 +116,17 @@ def test_import_verl_installs_the_megatron_side_when_switched_on():
 
 @pytest.mark.slow  # torchrun, two ranks importing verl and megatron-core
 def test_tensor_parallel_two_ranks(tmp_path):
-    proc = torchrun(2, WORKER, timeout=300, cwd=str(tmp_path))
+    proc = torchrun(2, WORKER, "tp", timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in range(2):
         for layout in ("thd", "thd-bucket", "bshd", "bfloat16", ""):
             assert f"rank {rank}: {layout} ok".replace("  ", " ") in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.slow  # torchrun, four ranks importing verl and megatron-core
+def test_tensor_and_context_parallel_four_ranks(tmp_path):
+    proc = torchrun(4, WORKER, "tp-cp", timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in range(4):
+        for layout in ("thd", "thd-bucket"):
+            assert f"rank {rank}: tp=2 cp=2 {layout} ok" in proc.stdout, proc.stdout[-3000:]

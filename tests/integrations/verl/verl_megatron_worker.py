@@ -1,11 +1,12 @@
-"""Replay in verl's Megatron engine with tensor parallelism 2 (2 CPU ranks, gloo), run by
-test_megatron_engine.py::test_tensor_parallel_two_ranks:
+"""Replay in verl's Megatron engine on CPU ranks (gloo), run by test_megatron_engine.py:
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/integrations/verl/verl_megatron_worker.py
+    python -m torch.distributed.run --standalone --nproc-per-node=2 verl_megatron_worker.py tp
+    python -m torch.distributed.run --standalone --nproc-per-node=4 verl_megatron_worker.py tp-cp
 
-in each of verl's three layouts: thd (verl's packing, each sample padded to a multiple of TP),
-thd-bucket (plus the static bucket pad on the last sample), bshd (use_remove_padding=False), and a
-bfloat16 pass. megatron-core's parallel_state is initialised for real (gloo, TP = 2, CP = PP = 1), so
+tp: tensor parallelism 2, in each of verl's three layouts: thd (verl's packing, each sample padded to a
+multiple of TP), thd-bucket (plus the static bucket pad on the last sample), bshd (use_remove_padding=
+False), and a bfloat16 pass, the bad-input errors. tp-cp: TP = 2 x context parallelism 2 (verl's zigzag chunks), THD
+with and without the bucket pad. megatron-core's parallel_state is initialised for real (gloo), so
 verl's preprocess_thd_engine / _bshd_engine, postprocess_*_engine and megatron-core's
 vocab_parallel_cross_entropy all run with their real process groups. verl runs from
 MegatronEngineWithLMHead.forward_step (its forward function, logits processor, log-probs) through
@@ -15,13 +16,15 @@ with only the attributes those methods read; verl's device getter transformer_im
 returns "cpu" (verl's CUDA platform has no CPU device id); the model is a toy column-parallel head:
 rank r holds vocabulary columns [r * 22, (r + 1) * 22) of logits(token, position) = E[token] +
 P[position in its sequence], over a vocabulary padded from 40 (hf_config.vocab_size) to 44 columns,
-as Megatron pads it.
+as Megatron pads it; under CP the toy places each row at the position RoPE would give it (verl passes
+no position ids outside MTP).
 Megatron's own schedule (forward_backward_func) and its GPTModel are not run.
 
 Checked on every rank, per micro-batch: the response log-probs against the float64 reference over the
 recorded supports (the full padded softmax where nothing or the whole vocabulary is recorded), this
-rank's parameter-gradient columns against the reference's, the replay metrics, bit-identity with
-replay off at every row not replayed, and the bad-input errors.
+TP rank's parameter-gradient columns (summed over the CP ranks) against the reference's, the replay
+metrics (their values without CP: with it each rank's cover its own rows), bit-identity with replay off
+at every row not replayed.
 """
 import os
 import sys
@@ -52,12 +55,12 @@ PROMPTS, RESPONSES = [3, 1, 4, 2, 5], [5, 2, 6, 1, 4]
 class ToyColumnParallelLM(torch.nn.Module):
     """This rank's vocabulary columns of logits = E[token] + P[position within its sequence]."""
 
-    def __init__(self, seed: int, rank: int, dtype=torch.float32):
+    def __init__(self, seed: int, rank: int, dtype=torch.float32, tp: int = TP):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.E_full = torch.randn(h.V, PADDED, generator=g) * 2
         self.P_full = torch.randn(h.MAX_POS, PADDED, generator=g)
-        cols = slice(rank * PADDED // TP, (rank + 1) * PADDED // TP)
+        cols = slice(rank * PADDED // tp, (rank + 1) * PADDED // tp)
         self.cols = cols
         self.E = torch.nn.Parameter(self.E_full[:, cols].to(dtype))
         self.P = torch.nn.Parameter(self.P_full[:, cols].to(dtype))
@@ -65,11 +68,27 @@ class ToyColumnParallelLM(torch.nn.Module):
         self.config = SimpleNamespace(fp8=None)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, packed_seq_params=None, **_):
-        if packed_seq_params is not None:  # THD: [1, S]; the position within each padded sample
+        cp = mpu.get_context_parallel_world_size()
+        if packed_seq_params is not None and cp > 1:  # THD under CP: this rank's two chunks of each sample
+            position_ids = self.zigzag_positions(packed_seq_params.cu_seqlens_q_padded.tolist(), input_ids.shape[1],
+                                                 cp, mpu.get_context_parallel_rank())
+        elif packed_seq_params is not None:  # THD: [1, S]; the position within each padded sample
             cu = packed_seq_params.cu_seqlens_q_padded.to(torch.int64)
             at = torch.arange(input_ids.shape[1])
             position_ids = (at - cu[torch.searchsorted(cu[1:], at, right=True)])[None]
         return self.E[input_ids] + self.P[position_ids.clamp(max=h.MAX_POS - 1)]
+
+
+    @staticmethod
+    def zigzag_positions(cu: list, local: int, cp: int, r: int) -> torch.Tensor:
+        """Positions of this CP rank's rows: of each sample (padded length L), the chunks [h * r, h * (r + 1))
+        and [L - h * (r + 1), L - h * r), h = L / (2 cp), where RoPE would place them."""
+        pos = torch.zeros(local, dtype=torch.long)
+        for a, b in zip(cu[:-1], cu[1:]):
+            start, half = a // cp, (b - a) // cp // 2
+            pos[start:start + half] = torch.arange(half * r, half * (r + 1))
+            pos[start + half:start + 2 * half] = torch.arange(b - a - half * (r + 1), b - a - half * r)
+        return pos[None]
 
 
 def engine(layout: str) -> transformer_impl.MegatronEngineWithLMHead:
@@ -142,6 +161,9 @@ def check_micro_batch(e, model, mb, rank):
     w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3)) * mask
     lp, metrics = run(e, model, mb, w)
     grads = [model.E.grad.clone(), model.P.grad.clone()]
+    cp = mpu.get_context_parallel_world_size()
+    for g in grads:  # each CP rank's backward reaches only its own rows (verl gathers the others detached);
+        dist.all_reduce(g, group=mpu.get_context_parallel_group())  # Megatron's DP x CP all-reduce sums them
     ref, E, P, stats = reference(model, mb)
     (w.double() * ref).sum().backward()
     torch.testing.assert_close(lp.detach().double() * mask, ref.detach() * mask, atol=2e-6, rtol=0)
@@ -149,8 +171,11 @@ def check_micro_batch(e, model, mb, rank):
         torch.testing.assert_close(g.double(), r, atol=4e-6, rtol=0)
     assert (ref - reference(model, mb, replay=False)[0]).abs().max() > 0.1  # replay changes these rows
     kept, size = stats
-    assert abs(metrics[trainer.KEPT_MASS] - kept) < 1e-6 and abs(metrics[trainer.SUPPORT_SIZE] - size) < 1e-12, \
-        (metrics, stats)
+    if cp == 1:  # under CP each rank's metrics cover its own rows
+        assert abs(metrics[trainer.KEPT_MASS] - kept) < 1e-6 and abs(metrics[trainer.SUPPORT_SIZE] - size) < 1e-12, \
+            (metrics, stats)
+    else:
+        assert 0 < metrics[trainer.KEPT_MASS] <= 1 and metrics[trainer.SUPPORT_SIZE] >= 1, metrics
 
     # replay off: verl's own values; bit-identical at every row replay leaves alone
     megatron_engine.uninstall()
@@ -226,17 +251,25 @@ def micro_batches(data):
     return mbs
 
 
-def main() -> None:
+def main(mode: str) -> None:
     dist.init_process_group("gloo")
-    mpu.initialize_model_parallel(tensor_model_parallel_size=TP)
+    tp, cp = {"tp": (TP, 1), "cp": (1, 2), "tp-cp": (TP, 2)}[mode]
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     rank = mpu.get_tensor_model_parallel_rank()
     transformer_impl.get_device_id = lambda: "cpu"  # verl's CUDA platform getter; the test runs on the CPU
     megatron_engine.install()
-    model = ToyColumnParallelLM(12, rank)
+    model = ToyColumnParallelLM(12, rank, tp=tp)
     # odd lengths (verl pads each THD sample to a multiple of TP), one row recorded as the whole
     # vocabulary, one recorded empty, one sample without a support
     data = h.make_batch(11, PROMPTS, RESPONSES, whole_rows={(2, 2)}, empty_rows={(0, 3)})
     data.non_tensor_batch[SUPPORT_KEY][4] = None
+    if cp > 1:
+        for layout in ("thd", "thd-bucket"):
+            for mb in micro_batches(data):
+                check_micro_batch(engine(layout), model, mb, rank)
+            print(f"rank {dist.get_rank()}: tp={mpu.get_tensor_model_parallel_world_size()} "
+                  f"cp={mpu.get_context_parallel_world_size()} {layout} ok", flush=True)
+        return
     for layout in ("thd", "thd-bucket", "bshd"):
         for mb in micro_batches(data):
             check_micro_batch(engine(layout), model, mb, rank)
@@ -252,4 +285,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "tp")
