@@ -1,4 +1,4 @@
-"""verl 0.9.1 drop-in (see README, "verl"): replay in verl's FSDP engine and vLLM rollout server.
+"""verl 0.9.1 drop-in (see README, "verl"): replay in verl's FSDP and Megatron engines and vLLM rollout server.
 
 support_rows.py (where each recorded row lands in verl's packed layout; pure torch, no verl import),
 trainer.py (the FSDP engine's log-probs renormalised over the recorded supports; imports verl),
@@ -7,6 +7,7 @@ the engine it starts; LLMServerClient.generate: each turn's rows onto the sample
 checks of the rollout config; imports verl, and vllm for the default class),
 support_track.py (one sample's rows across the turns of verl's continuous-token merge; pure numpy),
 agent_loop.py (AgentLoopWorker and the continuous-token builder: one row per response token; imports verl),
-plugin.py (the ``verl.plugins`` entry point and the switch: installs trainer.py when MASK_REPLAY_VERL=1 and
-the others by post-import hooks in the processes that import the verl modules they patch).
+megatron_engine.py (the Megatron engine's vocab-parallel log-probs, likewise; imports verl and megatron-core),
+plugin.py (the ``verl.plugins`` entry point and the switch: installs trainer.py (and megatron_engine.py where
+megatron-core is importable) when MASK_REPLAY_VERL=1 and the others by post-import hooks in the processes that import the verl modules they patch).
 """

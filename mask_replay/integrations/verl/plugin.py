@@ -14,6 +14,9 @@ that module is imported:
   client's support collection and the driver's start-up check of the rollout config.
 - verl.experimental.agent_loop.agent_loop (agent-loop workers): agent_loop.install(), one support row
   per response token across the turns of a sample.
+- verl.workers.engine.megatron.transformer_impl (imported by verl's engine registry where megatron-core
+  is installed, before any engine is built): megatron_engine.install(), the Megatron engine's replay;
+  an FSDP-only process without megatron-core never imports it from here.
 
 Unset or "0", verl is left unchanged and nothing of verl (nor wrapt) is imported from here. verl swallows
 a plugin's load errors (logged at debug level), so a failed install is logged here as an error as well; an
@@ -31,6 +34,7 @@ _ON, _OFF = ("1",), ("", "0")
 VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 LLM_SERVER = "verl.workers.rollout.llm_server"
 AGENT_LOOP = "verl.experimental.agent_loop.agent_loop"
+MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
 
 
 def enabled() -> bool:
@@ -41,6 +45,14 @@ def enabled() -> bool:
 
 
 _LOG = logging.getLogger(__name__)
+
+
+def _install_megatron(_module) -> None:
+    # megatron_engine.py imports megatron-core: only in a process whose verl has imported its Megatron engine
+    import mask_replay.integrations.verl.megatron_engine as verl_megatron
+
+    verl_megatron.install()
+
 
 # Conditional on the switch: trainer.py imports verl's FSDP engine, which an off run must neither pay for
 # nor be touched by (rollout.py and agent_loop.py import verl's modules only when their hooks hand them
@@ -56,7 +68,8 @@ if enabled():
 
         HOOKS = {VLLM_SERVER: lambda module: verl_rollout.install(module.vLLMHttpServer),
                  LLM_SERVER: verl_rollout.install_client,
-                 AGENT_LOOP: verl_agent_loop.install}
+                 AGENT_LOOP: verl_agent_loop.install,
+                 MEGATRON_ENGINE: _install_megatron}
         for _name, _hook in HOOKS.items():
             wrapt.register_post_import_hook(_hook, _name)
         verl_trainer.install()

@@ -23,7 +23,7 @@ from mask_replay import csr
 from mask_replay.errors import InputError, MaskFormatError, OutsideSupportError
 from mask_replay.mask import SamplingMask
 
-__all__ = ["SUPPORT_KEY", "LocalSupport", "sample_support", "local_support"]
+__all__ = ["SUPPORT_KEY", "LocalSupport", "SampleRows", "sample_support", "recorded_rows", "local_support"]
 
 SUPPORT_KEY = "sampling_support"  # the per-sample key in TokenOutput.extra_fields and non_tensor_batch
 
@@ -85,6 +85,55 @@ def sample_support(support: Any, sample: int, vocab_size: Optional[int] = None) 
     return mask
 
 
+@dataclass
+class SampleRows:
+    """One sample's replayed rows: ``rows`` int64 [R] (response positions, ascending, each recorded:
+    neither empty nor the whole vocabulary), ``start`` the packed position of its first response token,
+    ``mask`` its whole validated support, ``tokens`` int64 its response tokens."""
+
+    rows: torch.Tensor
+    start: int
+    mask: SamplingMask
+    tokens: torch.Tensor
+
+    def select(self, which: torch.Tensor) -> SamplingMask:
+        """The support rows ``self.rows[which]`` (bool or index), ``sampled`` their response tokens."""
+        rows = self.rows[which]
+        tok, off = csr.take_rows(self.mask.token_ids, self.mask.offsets, rows)
+        return SamplingMask(tok, off, sampled=self.tokens[rows])
+
+
+def recorded_rows(support: Any, sample: int, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                  response_lengths: torch.Tensor, vocab_size: int) -> Optional[SampleRows]:
+    """Sample ``sample``'s recorded rows, validated against its response tokens; None when it has none.
+
+    input_ids [total] the packed, unpadded token ids; cu_seqlens [B + 1]; response_lengths [B]. A support
+    whose rows do not match the response (row count, or a response token outside its non-empty row) is
+    one error naming the sample and the position. (Tensors already on the CPU are not copied: a caller
+    looping over samples converts them once.)"""
+    mask = sample_support(support, sample, vocab_size)
+    if mask is None:
+        return None
+    cu = cu_seqlens.detach().cpu().to(torch.int64)
+    r = int(response_lengths[sample])
+    if mask.num_rows != r:
+        raise InputError(f"sample {sample}: the support has {mask.num_rows} rows but the response has {r} tokens "
+                         f"(response position {min(mask.num_rows, r)} has no match)", key=SUPPORT_KEY,
+                         hint="every response token needs its row, an empty one where nobody sampled it (verl's "
+                              "agent loops get them from MASK_REPLAY_VERL=1 in the agent-loop workers)")
+    start = int(cu[sample + 1]) - r  # the first response token's position in the packed sequence
+    if start <= int(cu[sample]):
+        raise InputError(f"sample {sample}: no prompt token before the response (verl predicts response token 0 "
+                         "from the last prompt token)")
+    tokens = input_ids.detach().cpu().to(torch.int64)[start:start + r]
+    lengths = mask.lengths()
+    recorded = torch.nonzero((lengths > 0) & (lengths < vocab_size)).flatten()
+    if recorded.numel() == 0:
+        return None
+    _check_sampled(mask, tokens, recorded, sample)
+    return SampleRows(recorded, start, mask, tokens)
+
+
 def local_support(supports: Sequence[Any], input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                   response_lengths: torch.Tensor, *, vocab_size: int, pad_size: int = 0, sp_rank: int = 0,
                   sp_size: int = 1) -> LocalSupport:
@@ -110,32 +159,14 @@ def local_support(supports: Sequence[Any], input_ids: torch.Tensor, cu_seqlens: 
     lo, hi = sp_rank * chunk, (sp_rank + 1) * chunk
     positions, masks = [], []
     for i, support in enumerate(supports):
-        mask = sample_support(support, i, vocab_size)
-        if mask is None:
+        found = recorded_rows(support, i, ids, cu, resp, vocab_size)
+        if found is None:
             continue
-        r = int(resp[i])
-        if mask.num_rows != r:
-            raise InputError(f"sample {i}: the support has {mask.num_rows} rows but the response has {r} tokens "
-                             f"(response position {min(mask.num_rows, r)} has no match)", key=SUPPORT_KEY,
-                             hint="every response token needs its row, an empty one where nobody sampled it (verl's "
-                                  "agent loops get them from MASK_REPLAY_VERL=1 in the agent-loop workers)")
-        start = int(cu[i + 1]) - r  # the first response token's position in the packed sequence
-        if start <= int(cu[i]):
-            raise InputError(f"sample {i}: no prompt token before the response (verl predicts response token 0 "
-                             "from the last prompt token)")
-        tokens = ids[start:start + r]
-        lengths = mask.lengths()
-        recorded = torch.nonzero((lengths > 0) & (lengths < vocab_size)).flatten()
-        if recorded.numel() == 0:
-            continue
-        _check_sampled(mask, tokens, recorded, i)
-        pos = start - 1 + recorded  # global packed position predicting each recorded response token
+        pos = found.start - 1 + found.rows  # global packed position predicting each recorded response token
         here = (pos >= lo) & (pos < hi)
         if not bool(here.any()):
             continue
-        rows = recorded[here]
-        tok, off = csr.take_rows(mask.token_ids, mask.offsets, rows)
-        masks.append(SamplingMask(tok, off, sampled=tokens[rows]))
+        masks.append(found.select(here))
         positions.append(pos[here] - lo)
     mask = SamplingMask.concat(masks) if masks else SamplingMask(
         torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), sampled=torch.zeros(0, dtype=torch.int64))

@@ -18,7 +18,8 @@ Follows the released verl 0.9.1 file verl/workers/engine/fsdp/transformer_impl.p
   and DP ranks). verl logs the update_actor pass's metrics; those of compute_log_prob are not logged by
   verl (ray_trainer reads only its mfu).
 - ``EngineRegistry.new`` (verl/workers/engine/base.py, wrapped): start-up refusal of what is not built
-  (another engine backend than fsdp / fsdp2 for the actor and reference, fused kernels).
+  (another engine backend than fsdp / fsdp2 for the actor and reference, fused kernels); a backend in
+  ``MORE_BACKENDS`` (megatron, added by megatron_engine.install()) passes with its own check.
 
 The supports travel per sample in ``non_tensor_batch[SUPPORT_KEY]`` through verl's own DataProto
 split / shuffle / micro-batching. ``install()`` / ``uninstall()`` put and take the patches back.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -48,6 +49,8 @@ __all__ = ["install", "uninstall", "installed", "TESTED_VERL", "SUPPORT_KEY"]
 
 TESTED_VERL = "0.9.1"
 _BACKENDS = ("fsdp", "fsdp2")
+# more engine backends, each with its start-up check of EngineRegistry.new's kwargs: megatron_engine.install()
+MORE_BACKENDS: dict[str, Callable[[dict], None]] = {}
 _ACTIVE: contextvars.ContextVar[Optional[LocalSupport]] = contextvars.ContextVar("mask_replay_verl_support",
                                                                                   default=None)
 _STATS: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("mask_replay_verl_stats", default=None)
@@ -89,15 +92,17 @@ def uninstall() -> None:
 
 def _checked_new(cls, model_type, backend, *args, **kwargs):
     if model_type == "language_model":
-        if backend not in _BACKENDS:
+        if backend not in _BACKENDS + tuple(MORE_BACKENDS):
             raise NotImplementedError(f"mask_replay verl replay: engine backend '{backend}' is not supported yet "
-                                      f"(built: {', '.join(_BACKENDS)}); unset MASK_REPLAY_VERL or use "
-                                      "actor_rollout_ref.actor.strategy=fsdp2")
+                                      f"(built: {', '.join(_BACKENDS + tuple(MORE_BACKENDS))}); unset "
+                                      "MASK_REPLAY_VERL or use actor_rollout_ref.actor.strategy=fsdp2")
         configs = (kwargs.get("model_config"), kwargs.get("engine_config"))
         if any(getattr(c, "use_fused_kernels", False) for c in configs if c is not None):
             raise NotImplementedError("mask_replay verl replay: actor_rollout_ref.model.use_fused_kernels=True is not "
                                       "supported yet (the fused head never materialises the logits replay needs); "
                                       "set it to False or unset MASK_REPLAY_VERL")
+        if backend in MORE_BACKENDS:
+            MORE_BACKENDS[backend](kwargs)
     return _ORIGINALS["new"].__func__(cls, model_type, backend, *args, **kwargs)
 
 
