@@ -78,14 +78,19 @@ def interleaved_ms(fns: dict, runs: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
+    """The micro-batch's shape and the number of runs (shared with bench_verl_megatron_logprobs.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--response", type=int, default=224)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=5)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     torch.manual_seed(0)
     mb, e, model = batch(args.samples, args.prompt, args.response, args.vocab), engine(), LM(args.vocab)
 

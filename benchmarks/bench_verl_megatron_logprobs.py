@@ -15,7 +15,6 @@ taking turns within each run, medians of --runs runs after one warm-up round.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from functools import partial
@@ -30,7 +29,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.megatron import transformer_impl  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
-from benchmarks.bench_verl_logprobs import batch, interleaved_ms  # noqa: E402
+from benchmarks.bench_verl_logprobs import arguments, batch, interleaved_ms  # noqa: E402
 from mask_replay.integrations.verl import megatron_engine, trainer  # noqa: E402
 from tests.integrations.verl.verl_megatron_worker import engine  # noqa: E402
 
@@ -52,13 +51,7 @@ class ColumnParallelLM(torch.nn.Module):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--response", type=int, default=224)
-    ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--runs", type=int, default=5)
-    args = ap.parse_args()
+    args = arguments()
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(tensor_model_parallel_size=2)
     rank = mpu.get_tensor_model_parallel_rank()

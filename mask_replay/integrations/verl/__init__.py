@@ -8,6 +8,7 @@ checks of the rollout config; imports verl, and vllm for the default class),
 support_track.py (one sample's rows across the turns of verl's continuous-token merge; pure numpy),
 agent_loop.py (AgentLoopWorker and the continuous-token builder: one row per response token; imports verl),
 megatron_engine.py (the Megatron engine's vocab-parallel log-probs, likewise; imports verl and megatron-core),
-plugin.py (the ``verl.plugins`` entry point and the switch: installs trainer.py (and megatron_engine.py where
-megatron-core is importable) when MASK_REPLAY_VERL=1 and the others by post-import hooks in the processes that import the verl modules they patch).
+plugin.py (the ``verl.plugins`` entry point and the switch: with MASK_REPLAY_VERL=1 installs trainer.py, and
+megatron_engine.py where verl's Megatron engine imported, at ``import verl``; the others by post-import hooks
+in the processes that import the verl modules they patch).
 """

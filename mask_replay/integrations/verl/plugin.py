@@ -14,9 +14,10 @@ that module is imported:
   client's support collection and the driver's start-up check of the rollout config.
 - verl.experimental.agent_loop.agent_loop (agent-loop workers): agent_loop.install(), one support row
   per response token across the turns of a sample.
-- verl.workers.engine.megatron.transformer_impl (imported by verl's engine registry where megatron-core
-  is installed, before any engine is built): megatron_engine.install(), the Megatron engine's replay;
-  an FSDP-only process without megatron-core never imports it from here.
+
+The Megatron engine's replay (megatron_engine.install()) installs with the trainer side where verl's
+engine registry (imported by trainer.py) has imported verl's Megatron engine, i.e. where megatron-core
+is installed; elsewhere megatron_engine.py is never imported.
 
 Unset or "0", verl is left unchanged and nothing of verl (nor wrapt) is imported from here. verl swallows
 a plugin's load errors (logged at debug level), so a failed install is logged here as an error as well; an
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 __all__ = ["SWITCH", "enabled"]
 
@@ -47,13 +49,6 @@ def enabled() -> bool:
 _LOG = logging.getLogger(__name__)
 
 
-def _install_megatron(_module) -> None:
-    # megatron_engine.py imports megatron-core: only in a process whose verl has imported its Megatron engine
-    import mask_replay.integrations.verl.megatron_engine as verl_megatron
-
-    verl_megatron.install()
-
-
 # Conditional on the switch: trainer.py imports verl's FSDP engine, which an off run must neither pay for
 # nor be touched by (rollout.py and agent_loop.py import verl's modules only when their hooks hand them
 # over). verl swallows a plugin's load errors, so a failed install is logged here as well.
@@ -68,11 +63,16 @@ if enabled():
 
         HOOKS = {VLLM_SERVER: lambda module: verl_rollout.install(module.vLLMHttpServer),
                  LLM_SERVER: verl_rollout.install_client,
-                 AGENT_LOOP: verl_agent_loop.install,
-                 MEGATRON_ENGINE: _install_megatron}
+                 AGENT_LOOP: verl_agent_loop.install}
         for _name, _hook in HOOKS.items():
             wrapt.register_post_import_hook(_hook, _name)
         verl_trainer.install()
+        # trainer.py imported verl's engine registry, which imports verl's Megatron engine where megatron-core
+        # is installed (verl/workers/engine/__init__.py); where it did, its replay installs too
+        if MEGATRON_ENGINE in sys.modules:
+            import mask_replay.integrations.verl.megatron_engine as verl_megatron
+
+            verl_megatron.install()
     except Exception:
         _LOG.exception("mask_replay: %s=1 but the verl drop-in did not install", SWITCH)
         raise
