@@ -77,7 +77,8 @@ KEYS = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "
         "training/rollout_actor_probs_pearson_corr", "rollout_corr/log_ppl_diff", "rollout_corr/kl",
         "rollout_corr/k3_kl", "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_min",
         "rollout_corr/rollout_is_max", "rollout_corr/rollout_is_eff_sample_size", "actor/pg_loss",
-        "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", verl_replay.KEPT_MASS, verl_replay.SUPPORT_SIZE)
+        "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/" + verl_replay.KEPT_MASS,
+        "actor/" + verl_replay.SUPPORT_SIZE)
 
 
 def verl_config(args):
@@ -88,7 +89,7 @@ def verl_config(args):
         "actor_rollout_ref.model.use_remove_padding=True",
         "actor_rollout_ref.actor.strategy=fsdp2",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.prompts * args.group // 2}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
         "actor_rollout_ref.actor.use_kl_loss=False",
         "actor_rollout_ref.actor.entropy_coeff=0",
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
@@ -100,7 +101,7 @@ def verl_config(args):
         f"actor_rollout_ref.rollout.temperature={args.temperature}",
         f"actor_rollout_ref.rollout.top_p={args.top_p}",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.prompts * args.group // 2}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch}",
         f"actor_rollout_ref.rollout.response_length={args.max_new_tokens}",
         "data.max_prompt_length=64",
         "trainer.balance_batch=False",
@@ -185,15 +186,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=0, help="samples per micro-batch (default: half the batch)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    args.micro_batch = args.micro_batch or max(1, args.prompts * args.group // 2)
     setting = "on" if plugin.enabled() else "off"
-    if verl_replay.installed() if setting == "on" else False:
-        pass
-    elif setting == "on":
+    if setting == "on" and not verl_replay.installed():
         sys.exit("experiment_verl: MASK_REPLAY_VERL=1 but the verl drop-in is not installed (is mask-replay's "
                  "verl.plugins entry point installed in this venv?)")
     os.makedirs(args.out, exist_ok=True)
