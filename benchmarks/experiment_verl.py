@@ -216,7 +216,9 @@ def main() -> None:
         data = rollout(args, model_dir, step, os.path.join(args.out, f"rollout_{setting}_{step}.npz"))
         t1 = time.perf_counter()
         batch = agent_loop_batch(cfg, tokenizer, data)
+        t2 = time.perf_counter()
         old, _ = RayPPOTrainer._compute_old_log_prob(driver, batch)
+        t3 = time.perf_counter()
         batch = batch.union(old)
         metrics = calculate_debug_metrics(batch)
         batch.batch["token_level_scores"] = batch.batch["rm_scores"]
@@ -229,12 +231,15 @@ def main() -> None:
         metrics["exp_old_minus_rollout_mean"] = float(diff.exp().mean())
         batch = compute_advantage(batch, adv_estimator=AdvantageEstimator.GRPO, num_repeat=args.group,
                                   norm_adv_by_std_in_grpo=True, config=cfg.algorithm)
+        t4 = time.perf_counter()
         actor = RayPPOTrainer._update_actor(driver, batch)
+        t5 = time.perf_counter()
         metrics.update(reduce_metrics(actor.meta_info["metrics"]))
         model_dir = os.path.join(args.out, f"model_{setting}")
         save_weights(worker, args.model, model_dir)
         metrics.update(step=step, reward=float(np.mean(data["reward"])), tokens=int(mask.sum()),
-                       rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
+                       rollout_s=t1 - t0, train_s=time.perf_counter() - t1, old_log_prob_s=t3 - t2,
+                       update_actor_s=t5 - t4)
         steps.append({k: (float(v) if isinstance(v, (int, float, np.floating, torch.Tensor)) else v)
                       for k, v in metrics.items() if not isinstance(v, (list, dict))})
         print("STEP " + json.dumps({k: steps[-1].get(k) for k in ("step", "reward") + KEYS}), flush=True)

@@ -28,7 +28,8 @@ def run(setting: str, out: str) -> dict:
     engine_ext = [f for f in os.listdir(os.path.join(ROOT, "build-vllm", "mask_replay")) if f.startswith("_C")]
     env = dict(os.environ, MASK_REPLAY_VERL=setting, PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "experiment_verl.py"), "--out", out, "--steps", "1",
-           "--prompts", "2", "--group", "2", "--max-new-tokens", "6", "--micro-batch", "4", "--engine-python", ENGINE_PY,
+           "--prompts", "2", "--group", "2", "--max-new-tokens", "6", "--micro-batch", "4",
+           "--engine-python", ENGINE_PY,
            "--engine-extension", os.path.join(ROOT, "build-vllm", "mask_replay", engine_ext[0])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
