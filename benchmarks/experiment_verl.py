@@ -131,8 +131,8 @@ def agent_loop_batch(cfg, tokenizer, rollout: dict):
                 prompt_ids=rollout["prompt_ids"][i].tolist(), response_ids=rollout["response_ids"][i].tolist(),
                 response_mask=[1] * n, response_logprobs=rollout["logprobs"][i].tolist(),
                 reward_score=float(rollout["reward"][i]), num_turns=2, metrics=AgentLoopMetrics(),
-                extra_fields={SUPPORT_KEY: {"token_ids": rollout["support_ids"][i],
-                                            "offsets": rollout["support_offsets"][i]}})
+                extra_fields={SUPPORT_KEY: {"token_ids": np.asarray(rollout["support_ids"][i], dtype=np.int32),
+                                            "offsets": np.asarray(rollout["support_offsets"][i], dtype=np.int64)}})
             outs.append(await worker._agent_loop_postprocess(out, validate=False, raw_prompt=None))
         return worker._postprocess(outs)
 

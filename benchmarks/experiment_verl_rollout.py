@@ -22,6 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mask_replay.tools.experiment_task import SYSTEM_PROMPT, load_prompts, reward  # noqa: E402
 
 
+def ragged(arrays: list) -> np.ndarray:
+    """A 1-D object array of the arrays (np.array would make a 2-D one when they all have one length)."""
+    out = np.empty(len(arrays), dtype=object)
+    for i, a in enumerate(arrays):  # one by one: a slice assignment would broadcast equal-length arrays
+        out[i] = a
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -68,8 +76,7 @@ def main() -> None:
             rec["support_ids"].append(np.asarray(support.token_ids, dtype=np.int32))
             rec["support_offsets"].append(np.asarray(support.offsets, dtype=np.int64))
             rec["reward"].append(reward(c.text, problem))
-    np.savez(args.out, **{k: np.array(v, dtype=object) if k != "reward" else np.array(v, dtype=np.float32)
-                          for k, v in rec.items()},
+    np.savez(args.out, **{k: ragged(v) if k != "reward" else np.array(v, dtype=np.float32) for k, v in rec.items()},
              top_p=args.top_p, top_k=args.top_k,
              temperature=args.temperature)
     print(f"ROLLOUT {len(rec['reward'])} completions, mean reward {np.mean(rec['reward']):.3f}")
