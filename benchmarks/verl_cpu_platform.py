@@ -3,7 +3,8 @@
 verl reads the device from its platform singleton (verl/plugin/platform/platform_manager.py: get_platform);
 `use_cpu_platform()` sets this one before verl's engine modules are imported, so that verl's own
 FSDPEngineWithLMHead code (forward_step's `micro_batch.to(get_device_id())`, autocast's device type, the
-gloo backend) runs on the CPU. Nothing else of verl is changed. Used by benchmarks/experiment_verl.py only.
+gloo backend) runs on the CPU. Nothing else of verl is changed. Used by benchmarks/experiment_verl.py (and
+bench_verl_actor.py through it) only.
 """
 from __future__ import annotations
 
