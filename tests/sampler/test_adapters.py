@@ -649,3 +649,16 @@ def test_convert_integer_too_long_to_read_is_one_line(tmp_path):
     assert_one_line_error(run("convert", lines, "-o", tmp_path / "o.safetensors", "--from", "vllm-json"),
                           "r.jsonl: line 1: an integer of more than")
     assert_clean(tmp_path, "o.safetensors")
+
+
+@pytest.mark.parametrize("read", [
+    lambda: SamplingMask.from_vllm({"request_id": "r", "choices": [
+        {"index": 0, "token_ids": [2**32 + 5], "sampling_mask": [[2**32 + 5]]}]}, vocab_size=2**40),
+    lambda: SamplingMask.from_sglang({"output_ids": [2**32 + 5], "meta_info": {
+        "id": "s", "output_token_sampling_mask": [[2**32 + 5]]}}, vocab_size=2**40),
+    lambda: SamplingMask.from_padded(torch.tensor([[2**32 + 5]]), torch.tensor([1]), vocab_size=2**40),
+])
+def test_an_id_beyond_int32_is_refused_whatever_vocab_size_says(read):
+    # with a vocab_size above 2^31 the id passed the range check and wrapped to 5 in the int32 cast
+    with pytest.raises(EngineOutputError, match=r"id 4294967301 is out of range \[0, 2147483648\)"):
+        read()

@@ -346,7 +346,8 @@ def _entry_logprobs(c: Completion, counts: np.ndarray):
 
 
 def _check_ids(ids, row_of, sampled, vocab_size, where):
-    limit = vocab_size if vocab_size is not None else INT32_LIMIT
+    # int32 ids whatever vocab_size says: a larger one would let 2^32 + 5 through, to wrap to 5 in the cast
+    limit = min(vocab_size, INT32_LIMIT) if vocab_size is not None else INT32_LIMIT
     bad = np.flatnonzero((ids < 0) | (ids >= limit))
     if bad.size:
         r = int(row_of[bad[0]])
