@@ -691,9 +691,9 @@ def every_reader(sampled, token_lp, lp):
         {"index": 0, "token_ids": sampled, "logprobs": content, "sampling_support": support_to_json(support)}]})
     yield "vLLM's sampling_mask", SamplingMask.from_vllm({"request_id": "r", "choices": [
         {"index": 0, "token_ids": sampled, "logprobs": content, "sampling_mask": rows}]})
+    native = SimpleNamespace(token_ids=rows, logprobs=[[x] for x in token_lp])  # vllm.outputs.SamplingMask
     yield "vLLM's SamplingMask with log-probs", SamplingMask.from_vllm(SimpleNamespace(
-        request_id="r", outputs=[SimpleNamespace(index=0, token_ids=sampled, logprobs=None, sampling_mask=SimpleNamespace(
-            token_ids=rows, logprobs=[[x] for x in token_lp]))]))
+        request_id="r", outputs=[SimpleNamespace(index=0, token_ids=sampled, logprobs=None, sampling_mask=native)]))
     yield "processed log-probs", mask_from_vllm_logprobs(
         {"id": "c", "choices": [{"index": 0, "logprobs": {"tokens": [f"token_id:{s}" for s in sampled],
                                                            "token_logprobs": token_lp, "top_logprobs": tops}}]},
