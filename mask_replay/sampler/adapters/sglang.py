@@ -20,8 +20,16 @@ import torch
 
 from mask_replay.errors import EngineOutputError
 from mask_replay.mask import adapter
-from mask_replay.sampler.adapters.common import (Completion, as_list, build_mask, checked_logprobs, get, has,
-                                                 row_extras, single_id_rows_certain)
+from mask_replay.sampler.adapters.common import (
+    Completion,
+    as_list,
+    build_mask,
+    checked_logprobs,
+    get,
+    has,
+    row_extras,
+    single_id_rows_certain,
+)
 from mask_replay.sampler.adapters.padded import _int_tensor, mask_from_padded
 
 
