@@ -311,36 +311,38 @@ def backward_bytes(loss, z) -> tuple[int, torch.Tensor]:
     return total, g
 
 
-def strided_layouts(b, t, v, g):
-    """[B, T, V] logits over every order of a buffer's dims, each whole or sliced (a dim cut at both
-    ends, or every other entry), as permutations of [B, T, V] buffers give them (logits_bvt.transpose(1, 2)
-    is order (0, 2, 1))."""
-    cuts = {"whole": (slice(None),) * 3, "time_cut": (slice(None), slice(1, 1 + t), slice(None)),
-            "time_every_other": (slice(None), slice(None, 2 * t, 2), slice(None)),
-            "vocab_every_other": (slice(None), slice(None), slice(None, 2 * v, 2)),
-            "batch_cut": (slice(1, 1 + b), slice(None), slice(None))}
-    grown = {"whole": (b, t, v), "time_cut": (b, t + 2, v), "time_every_other": (b, 2 * t, v),
-             "vocab_every_other": (b, t, 2 * v), "batch_cut": (b + 2, t, v)}
+def strided_layouts(values, g):
+    """The same [B, T, V] values over every order of a buffer's dims, each whole or sliced (a dim cut at
+    both ends, or every other entry): the layouts permutations of buffers give (logits_bvt.transpose(1, 2)
+    is order (0, 2, 1)). The buffer's other entries are noise."""
+    b, t, v = values.shape
+    cuts = {"whole": ((b, t, v), (slice(None),) * 3),
+            "time_cut": ((b, t + 2, v), (slice(None), slice(1, 1 + t), slice(None))),
+            "time_every_other": ((b, 2 * t, v), (slice(None), slice(None, 2 * t, 2), slice(None))),
+            "vocab_every_other": ((b, t, 2 * v), (slice(None), slice(None), slice(None, 2 * v, 2))),
+            "batch_cut": ((b + 2, t, v), (slice(1, 1 + b), slice(None), slice(None)))}
     for order in ((0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)):
-        for cut, index in cuts.items():
-            shape = grown[cut]
-            buffer = torch.randn(*(shape[d] for d in order), generator=g, dtype=torch.float64)
-            inverse = tuple(order.index(d) for d in range(3))  # buffer dims back to (B, T, V)
-            yield f"{order}-{cut}", buffer.permute(inverse)[index]
+        for cut, (shape, index) in cuts.items():
+            buffer = torch.randn(*(shape[d] for d in order), generator=g, dtype=values.dtype)
+            logits = buffer.permute(tuple(order.index(d) for d in range(3)))[index]  # buffer dims back to B, T, V
+            logits.copy_(values)
+            yield f"{order}-{cut}", logits
 
 
 def test_every_stride_pattern_has_a_gradient_of_the_logits_size():
     b, t, v = 2, 6, 256
     labels, mask = make_batch(b, t, v, seed=6)
+    g = torch.Generator().manual_seed(7)
+    values = torch.randn(b, t, v, generator=g, dtype=torch.float64)
     w = torch.linspace(0.5, 1.5, b * t, dtype=torch.float64).reshape(b, t)
-    for name, logits in strided_layouts(b, t, v, torch.Generator().manual_seed(7)):
-        assert logits.shape == (b, t, v), name
+    z2 = values.clone().requires_grad_(True)
+    want = reference(z2, mask, labels, 0.9)
+    (want_grad,) = torch.autograd.grad((want * w).sum(), z2)
+    for name, logits in strided_layouts(values, g):
         z = logits.detach().requires_grad_(True)  # the strides as they are
         got = mr.replay_logprobs(z, mask, labels, 0.9)
-        torch.testing.assert_close(got, reference(logits, mask, labels, 0.9), rtol=0, atol=1e-12, msg=name)
-        used, g = backward_bytes((got * w).sum(), z)
-        z2 = logits.detach().clone().requires_grad_(True)
-        (g2,) = torch.autograd.grad((reference(z2, mask, labels, 0.9) * w).sum(), z2)
-        torch.testing.assert_close(g, g2, rtol=0, atol=1e-12, msg=name)
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12, msg=name)
+        used, grad = backward_bytes((got * w).sum(), z)
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12, msg=name)
         # [B, V, T] transposed asked for a [(B - 1) * V * T + T, V] gradient: V times the logits here
         assert used <= 2 * logits.numel() * logits.element_size(), (name, used, _rows_of(z))
