@@ -8,11 +8,58 @@ gather the support's logits, then reduce per row. Nothing here touches an [N, V]
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from mask_replay.errors import MaskFormatError
+
+INT32_LIMIT = 2**31  # token_ids are int32: with no vocabulary given, an id must lie in [0, 2^31)
+
+
+def exact_int64(values: Any, *, name: str, source: str) -> torch.Tensor:
+    """A support's ids or offsets as they arrive (a list, tuple, numpy array or tensor of any integer
+    dtype) as a 1-D int64 CPU tensor of the same numbers, to be checked before any narrowing cast: a
+    cast to int32 first would wrap 2^32 + 5 to 5 and let it pass. An empty sequence of any dtype is
+    an empty one (JSON's [] reads back as float64). Floats, bools, strings, another rank, or a value
+    beyond int64 (uint64 from 2^63, a Python int wider still) raise MaskFormatError."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu()
+        if values.dim() == 1 and values.numel() == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise MaskFormatError(f"{name} must be a 1-D integer array, got {values.dtype} {tuple(values.shape)}",
+                                  file=source)
+        values = values.numpy()  # every integer dtype torch has, uint64 included, has a numpy twin
+    elif not isinstance(values, (np.ndarray, list, tuple)):
+        raise MaskFormatError(f"{name} must be an array, got {type(values).__name__}", file=source)
+    try:
+        a = np.asarray(values)
+    except (ValueError, TypeError) as exc:  # ragged lists
+        raise MaskFormatError(f"{name} must be a 1-D integer array ({exc})", file=source) from None
+    if a.ndim == 1 and a.size == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if a.dtype == object and a.ndim == 1 and all(type(x) is int for x in a.tolist()):
+        big = next(x for x in a.tolist() if not -2**63 <= x < 2**63)  # numpy fell back to objects: too wide
+        raise MaskFormatError(f"{name} hold {big}, beyond a 64-bit integer", file=source)
+    if a.dtype.kind not in "iu" or a.ndim != 1:
+        raise MaskFormatError(f"{name} must be a 1-D integer array, got {a.dtype} {a.shape}", file=source)
+    if a.dtype.kind == "u" and a.dtype.itemsize == 8 and bool((a >= 2**63).any()):
+        raise MaskFormatError(f"{name} hold {int(a[a >= 2**63][0])}, beyond a 64-bit integer", file=source)
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+
+def checked_csr(token_ids: Any, offsets: Any, *, source: str,
+                vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_ids int32, offsets int64) of a support entering from outside (an engine, a rollout
+    server, a file, a JSON round trip), in any integer dtype: the contract is checked on the values
+    as given (exact_int64), and only then are they cast. MaskFormatError naming the row."""
+    ids = exact_int64(token_ids, name="token_ids", source=source)
+    offs = exact_int64(offsets, name="offsets", source=source)
+    check_offsets(offs, ids.numel(), source=source)
+    check_ids(ids, offs, source=source, vocab_size=vocab_size)
+    return ids.to(torch.int32), offs
 
 
 def check_offsets(offsets: torch.Tensor, nnz: int, *, source: str) -> None:
@@ -70,13 +117,14 @@ def row_of_entry(entry: int, offsets: torch.Tensor) -> int:
 
 
 def check_ids(token_ids: torch.Tensor, offsets: torch.Tensor, *, source: str, vocab_size: Optional[int] = None) -> None:
-    """Every id in [0, vocab_size) (>= 0 when the vocabulary is unknown) and strictly ascending
-    within its row; offsets already checked. The error names the first bad entry's row, in the
-    words the kernels use for the same defect."""
+    """Every id in [0, vocab_size) ([0, 2^31) when the vocabulary is unknown: an int32 id) and
+    strictly ascending within its row; offsets already checked. Any integer dtype (the values are
+    compared as int64, never narrowed first). The error names the first bad entry's row, in the
+    words the kernels use for the same defect, and the id."""
     t, o = token_ids.cpu().long(), offsets.cpu()
     if not t.numel():
         return
-    outside = (t < 0) if vocab_size is None else (t < 0) | (t >= vocab_size)
+    outside = (t < 0) | (t >= (INT32_LIMIT if vocab_size is None else vocab_size))
     same_row = torch.ones(t.numel() - 1, dtype=torch.bool)
     starts = o[1:-1]
     starts = starts[(starts > 0) & (starts < t.numel())]
@@ -88,7 +136,11 @@ def check_ids(token_ids: torch.Tensor, offsets: torch.Tensor, *, source: str, vo
         return
     e = int(bad[0])
     if bool(outside[e]):
-        what = "hold a negative id" if vocab_size is None else f"hold an id outside [0, {vocab_size})"
+        if vocab_size is None:
+            what = "hold a negative id" if int(t[e]) < 0 else "hold an id outside [0, 2^31)"
+        else:
+            what = f"hold an id outside [0, {vocab_size})"
+        what = f"{what} (id {int(t[e])})"
     else:
         what = "are not strictly ascending"
     raise MaskFormatError(f"token_ids of row {{row}} {what}", file=source, row=row_of_entry(e, o))
@@ -164,8 +216,9 @@ def device_csr(token_ids: torch.Tensor, offsets: torch.Tensor, n: int, vocab: in
 
 
 def _refuse(token_ids, offsets, vocab: int, op: str):
-    """A mask the device found bad: the host check names the defect and its row."""
-    check_csr(token_ids.cpu().to(torch.int32), offsets.cpu().to(torch.int64), source=op, vocab_size=vocab)
+    """A mask the device found bad: the host check names the defect and its row (on the values as
+    given: a cast to int32 first would wrap an id of 2^32 + 5 into range and find nothing)."""
+    checked_csr(token_ids, offsets, source=op, vocab_size=vocab)
     raise MaskFormatError("the support is not a valid CSR", file=op)  # unreachable while both checks agree
 
 

@@ -168,7 +168,8 @@ class SamplingMask:
         offsets = [0]
         for r in rows:
             offsets.append(offsets[-1] + len(r))
-        return cls._with_extras(torch.tensor(flat, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int64), extras)
+        # checked as given, then cast: torch.tensor(..., dtype=int32) would end in a bare overflow error
+        return cls._with_extras(*csr.checked_csr(flat, offsets, source="from_lists"), extras)
 
     @classmethod
     def _with_extras(cls, token_ids, offsets, extras) -> "SamplingMask":

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from mask_replay.cli.main import main
@@ -307,3 +308,47 @@ def assert_same_report(got, want, scales=None, path="report"):
         return
     scale = abs(want) if scales is None else scales
     assert abs(got - want) <= 1e-12 * max(abs(want), scale) + 1e-300, (path, got, want, scale)
+
+
+
+# ---- supports as they arrive from outside (engines, rollout servers, JSON), some damaged ----------
+SUPPORT_DAMAGE = ("none", "wrapping_id", "negative_id", "unrebased_offsets", "decreasing_offsets", "descending_ids")
+
+
+@st.composite
+def arriving_support(draw, vocab: int, max_rows: int = 6):
+    """(rows, token_ids, offsets, damage): rows a valid support (ids ascending in [0, vocab), some rows
+    empty); token_ids / offsets the same as Python lists or numpy int64 / uint64 arrays, with one drawn
+    damage applied ('none': still valid). 'wrapping_id' adds k * 2^32 to an id, the same id once cast
+    to int32; 'unrebased_offsets' is a slice of a longer CSR whose offsets were not shifted back to 0."""
+    rows = draw(st.lists(st.lists(st.integers(0, vocab - 1), max_size=5, unique=True).map(sorted),
+                         min_size=1, max_size=max_rows))
+    damage = draw(st.sampled_from(SUPPORT_DAMAGE))
+    if damage in ("wrapping_id", "negative_id", "descending_ids") and not any(rows):
+        rows[0] = [1]
+    ids = [i for r in rows for i in r]
+    offsets = np.cumsum([0] + [len(r) for r in rows]).tolist()
+    e = draw(st.integers(0, max(len(ids) - 1, 0)))
+    if damage == "wrapping_id":
+        ids[e] += 2 ** 32 * draw(st.integers(1, 2 ** 30))
+    elif damage == "negative_id":
+        ids[e] = -draw(st.integers(1, 2 ** 40))
+    elif damage == "descending_ids":  # the entry repeated in its row: not strictly ascending
+        r = next(r for r in range(len(rows)) if offsets[r] <= e < offsets[r + 1])
+        ids.insert(e, ids[e])
+        offsets = offsets[:r + 1] + [o + 1 for o in offsets[r + 1:]]
+    elif damage == "unrebased_offsets":
+        shift = draw(st.integers(1, 3))
+        ids = [draw(st.integers(0, vocab - 1)) for _ in range(shift)] + ids
+        offsets = [o + shift for o in offsets]
+    elif damage == "decreasing_offsets":  # an inner offset above the next one, the last still nnz
+        if len(offsets) == 2:
+            offsets = [0, len(ids) + 1, len(ids)]
+        else:
+            r = draw(st.integers(1, len(offsets) - 2))
+            offsets[r] = offsets[r + 1] + draw(st.integers(1, 3))
+    kind = draw(st.sampled_from(("list", "int64", "uint64") if min(ids, default=0) >= 0 else ("list", "int64")))
+    if kind == "list":
+        return rows, ids, offsets, damage
+    dtype = np.int64 if kind == "int64" else np.uint64
+    return rows, np.asarray(ids, dtype=dtype), np.asarray(offsets, dtype=dtype), damage

@@ -146,3 +146,12 @@ def test_mask_module_imports_no_adapter():
     tree = ast.parse(open(mask_module.__file__).read())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any(m and m.startswith("mask_replay.sampler") for m in imported), imported
+
+
+@pytest.mark.parametrize("rows, problem", [
+    ([[1], [2**32 + 5]], r"from_lists: token_ids of row 1 hold an id outside \[0, 2\^31\) \(id 4294967301\)"),
+    ([[-3, 1]], r"from_lists: token_ids of row 0 hold a negative id \(id -3\)"),
+])
+def test_from_lists_names_an_id_int32_cannot_hold(rows, problem):  # was torch's bare overflow RuntimeError
+    with pytest.raises(MaskFormatError, match=problem):
+        SamplingMask.from_lists(rows)

@@ -34,7 +34,8 @@ from mask_replay.sampler.adapters.vllm import mask_from_vllm
 from mask_replay.sampler.adapters.vllm_logprobs import VllmLogprobsSettings, mask_from_trl_vllm, vllm_logprobs_settings
 from mask_replay.sampler.adapters.vllm_support import FIELD as SUPPORT_FIELD
 
-__all__ = ["EngineSupport", "configure_engine", "recording", "sampled_first", "PLUGIN", "LOGPROBS"]
+__all__ = ["EngineSupport", "configure_engine", "recording", "sampled_first", "single_id_rows_zero", "PLUGIN",
+           "LOGPROBS"]
 
 PLUGIN, LOGPROBS = "plugin", "processed_logprobs"
 _SET_BY_REPLAY = {"top_k", "top_p", "min_p", "logprobs", "logprobs_mode"}  # temperature: trl.py's rule
@@ -136,6 +137,22 @@ def sampled_first(completion_ids, logprobs, token_ids) -> list:
     return out
 
 
+def single_id_rows_zero(logprobs, mask: SamplingMask):
+    """TRL's per-token sampling log-probs ([seq][token][entry], entry 0 the one GRPOTrainer reads) with
+    entry 0 at 0 wherever the token's support is one id: the log-prob over that support, which the mask
+    holds and replay computes (adapters.common.single_id_rows_certain), where vLLM reports a greedy
+    token's log-prob over the whole vocabulary. Rows are the mask's, sequence-major like the completions."""
+    if logprobs is None:
+        return None
+    one = torch.nonzero(mask.lengths() == 1).flatten()
+    if not one.numel():
+        return logprobs
+    out = [list(seq) for seq in logprobs]
+    for s, t in zip(mask.extras["sequence"][one].tolist(), mask.extras["position"][one].tolist()):
+        out[s][t] = [0.0, *out[s][t][1:]]
+    return out
+
+
 def _engine_masks(outputs) -> Optional[SamplingMask]:
     """The supports the engine's outputs carry (the plugin's, or vLLM's own masks) where every completion
     carries one, else None."""
@@ -183,13 +200,14 @@ def recording(engine, *, temperature: float, vocab_size: int, support: EngineSup
         raw = captured.pop("raw", None)
         if support.source == PLUGIN:
             captured["mask"] = _plugin_mask(engine, raw, len(completion_ids), accelerator)
-            return prompt_ids, completion_ids, logprobs, token_ids
+            return prompt_ids, completion_ids, single_id_rows_zero(logprobs, captured["mask"]), token_ids
         masks = _engine_masks(raw) if raw is not None and getattr(engine, "tensor_parallel_size", 1) == 1 else None
         if masks is not None:
             captured["mask"] = masks
             if logprobs is None or token_ids is None:
                 return prompt_ids, completion_ids, logprobs, token_ids
-            return prompt_ids, completion_ids, sampled_first(completion_ids, logprobs, token_ids), token_ids
+            sampling = sampled_first(completion_ids, logprobs, token_ids)
+            return prompt_ids, completion_ids, single_id_rows_zero(sampling, masks), token_ids
         if token_ids is None or logprobs is None:
             raise EngineOutputError("the vLLM generation returned neither sampling masks nor processed log-probs "
                                     "with their token ids: replay cannot know the support (vLLM with "
@@ -197,7 +215,8 @@ def recording(engine, *, temperature: float, vocab_size: int, support: EngineSup
         captured["mask"] = mask_from_trl_vllm(completion_ids, logprobs, token_ids, requested=engine.logprobs,
                                               temperature=temperature, vocab_size=vocab_size,
                                               top_k=getattr(engine, "top_k", None))
-        return prompt_ids, completion_ids, sampled_first(completion_ids, logprobs, token_ids), token_ids
+        sampling = sampled_first(completion_ids, logprobs, token_ids)
+        return prompt_ids, completion_ids, single_id_rows_zero(sampling, captured["mask"]), token_ids
 
     with ExitStack() as stack:  # instance attributes shadow the methods for this call only
         stack.enter_context(shadowed(engine, generate=recording_generate))

@@ -3,8 +3,10 @@ sequences ([total_tokens, V] with cu_seqlens).
 
 A trainer keeps ignored positions (prompt, padding, the last token of a sequence) in its batch;
 the mask has one row per *kept* position, in row-major order (the order a trainer flattens them
-and the engine adapters produce). Nothing here copies the logits: the positions are addressed as
-rows of a 2-D strided view of the logits' own memory ("cover rows"), and every row of that view
+and the engine adapters produce). The common layouts are not copied: the positions are addressed as
+rows of a 2-D strided view of the logits' own memory ("cover rows"; a layout no such view can
+address without overlapping rows, or without twice as many rows as positions, is copied once, as
+the gradient of such a view would be far larger than the logits), and every row of that view
 that is not a kept position gets a one-token dummy support, whose log-prob is 0 and whose
 gradient is 0. The replay op then runs once over the view, O(nnz + rows).
 """
@@ -30,7 +32,9 @@ class _Rows:
 
     kind: "flat" (2-D logits, row = position), "view" (logits.view(B * T, V)), "strided" (an
     as_strided view over memory the logits already span, e.g. logits[:, :-1] of a contiguous
-    tensor: it holds a few rows that are no position), "copy" (an exotic layout, copied once).
+    tensor: it holds a few rows that are no position; only where its rows do not overlap and are
+    at most twice the positions, see _addressable), "copy" (any other layout, e.g. a [B, V, T]
+    buffer transposed to [B, T, V]: copied once, [B * T, V], the gradient the same size).
     """
     kind: str
     k0: int
@@ -73,13 +77,31 @@ def _rows_of(logits: torch.Tensor) -> _Rows:
     except RuntimeError:
         pass
     s0, s1 = logits.stride(0), logits.stride(1)
+    candidates = []
     # Batch outer (logits[:, a:c] of a [B, T', V] tensor): rows every s1, B blocks s0 // s1 apart.
     if s1 > 0 and s0 % s1 == 0 and s0 // s1 >= t:
-        return _Rows("strided", s0 // s1, 1, s1, (b - 1) * (s0 // s1) + t)
+        candidates.append(_Rows("strided", s0 // s1, 1, s1, (b - 1) * (s0 // s1) + t))
     # Time outer (a [T, B, V] tensor transposed to [B, T, V]).
     if s0 > 0 and s1 % s0 == 0 and s1 // s0 >= b:
-        return _Rows("strided", 1, s1 // s0, s0, (t - 1) * (s1 // s0) + b)
+        candidates.append(_Rows("strided", 1, s1 // s0, s0, (t - 1) * (s1 // s0) + b))
+    for rows in candidates:
+        if _addressable(rows, v, logits.stride(2), b * t):
+            return rows
     return _Rows("copy", t, 1, 0, b * t)
+
+
+def _addressable(rows: _Rows, v: int, s2: int, positions: int) -> bool:
+    """Whether the [count, V] view of ``rows`` may stand for the positions: its rows must not overlap
+    (the backward writes a [count, V] gradient: overlapping rows, e.g. a [B, V, T] buffer transposed
+    to [B, T, V], whose row starts lie one element apart, would make count ~ B * T * V), and it must
+    hold at most as many rows as twice the positions (every other row is a dummy whose gradient is
+    written too: beyond that the one copy, [positions, V], and its gradient cost less)."""
+    if rows.count > 2 * positions:
+        return False
+    dims = sorted((stride, size) for stride, size in ((rows.stride, rows.count), (s2, v)) if size > 1)
+    if any(stride <= 0 for stride, _ in dims):
+        return False
+    return len(dims) < 2 or dims[1][0] >= dims[0][0] * dims[0][1]  # the larger stride clears the smaller dim
 
 
 class _RowsReplay(torch.autograd.Function):
@@ -104,13 +126,11 @@ class _RowsReplay(torch.autograd.Function):
             # instead of a silent zero.
             rows = ctx.rows_map.view(logits)
         grad = ops.replay_bwd(grad_logp.contiguous(), rows, token_ids, offsets, sampled, temperature, lse, status)
-        # A dummy row whose token-0 logit is not finite has lse = +-inf or NaN, and its (zero-weighted)
-        # gradient can be NaN: those rows, and only those, are zeroed again. Written without a
-        # data-dependent branch or shape, so that torch.compile traces it whole.
-        dead = ~torch.isfinite(rows[dummy_rows, 0])
-        grad = grad.index_put((dummy_rows,), torch.where(dead[:, None], torch.zeros((), dtype=grad.dtype,
-                                                                                     device=grad.device),
-                                                        grad[dummy_rows]))
+        # A dummy row's gradient is 0 (support {0}, label 0), or NaN where its token-0 logit is not
+        # finite (lse = +-inf or NaN): every dummy row is zeroed in place, which is the same where
+        # finite and costs no [dummies, V] gather nor a second [rows, V] buffer (the gradient is
+        # replay_bwd's own fresh output). No data-dependent branch or shape: torch.compile traces it whole.
+        grad = grad.index_fill_(0, dummy_rows, 0)
         return ctx.rows_map.unview(grad, ctx.shape), None, None, None, None, None, None, None
 
 

@@ -5,12 +5,15 @@ by rank, -inf outside the support). No real engine."""
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import trl.trainer.grpo_trainer as grpo_module
 
 from mask_replay.errors import EngineOutputError, InputError
+from mask_replay.integrations import _trl_vllm
 from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer
+from mask_replay.integrations.vllm_support import wire
 from tests.integrations.trl_helpers import V, grpo_args, prompts, reward_len, tiny_model, tiny_tokenizer
 
 
@@ -253,3 +256,53 @@ def test_vllm_kept_mass_is_the_policys_under_peft_with_a_reference(tmp_path, fak
         kept += (p[b, :mask.num_rows] * mask.to_dense(V)).sum(-1).tolist()
     logged = trainer._metrics["train"]["replay/kept_mass/mean"]
     assert len(logged) == 1 and abs(logged[0] - sum(kept) / len(kept)) < 1e-5
+
+
+# ---- greedy tokens: TRL's sampling log-prob agrees with the one-id support (issue 48, item 4) ---------
+class GreedyEngine:
+    """TRL's VLLMGeneration.generate on greedy requests as vLLM 0.32 answers them: each token the argmax,
+    its log-prob over the whole vocabulary (processed mode too: greedy rows are untruncated), and, by
+    `source`, the plugin's one-id supports, vLLM's own sampling masks, or the top-N log-probs alone."""
+
+    def __init__(self, source):
+        self.source, self.mode, self.tensor_parallel_size, self.logprobs, self.top_k = source, "colocate", 1, 2, -1
+        g = torch.Generator().manual_seed(0)
+        self.lp = torch.log_softmax(torch.randn(2, 3, V, generator=g, dtype=torch.float64), -1)  # [seq, token, V]
+        if source != "logprobs":
+            self.llm = SimpleNamespace(generate=self._engine)
+
+    def _tokens(self):
+        return [self.lp[s].argmax(-1).tolist() for s in range(2)]
+
+    def _engine(self, prompts):
+        def field(tokens):
+            rows = [[t] for t in tokens]
+            if self.source == "plugin":
+                return {"sampling_support": wire.join([np.array(r, np.int32) for r in rows], V)}
+            return {"sampling_mask": rows}
+        def logprobs(s, tokens):  # the offline layout: per position {id: Logprob}, the sampled token's
+            return [{t: SimpleNamespace(logprob=float(self.lp[s, j, t]))} for j, t in enumerate(tokens)]
+        return [SimpleNamespace(request_id=str(s), outputs=[SimpleNamespace(index=0, token_ids=c,
+                                                                            logprobs=logprobs(s, c), **field(c))])
+                for s, c in enumerate(self._tokens())]
+
+    def generate(self, prompts, images, num_generations, profiler):
+        if self.source != "logprobs":
+            self.llm.generate(prompts)
+        tokens = self._tokens()
+        ranked = [[torch.argsort(self.lp[s, t], descending=True)[:self.logprobs].tolist() for t in range(3)]
+                  for s in range(2)]
+        lps = [[[float(self.lp[s, t, i]) for i in ranked[s][t]] for t in range(3)] for s in range(2)]
+        return [list(p) for p in prompts], tokens, lps, ranked
+
+
+@pytest.mark.parametrize("source", ["plugin", "sampling_mask", "logprobs"])
+def test_greedy_tokens_hand_trl_the_log_prob_over_their_one_id_support(source):
+    engine = GreedyEngine(source)
+    support = _trl_vllm.EngineSupport(_trl_vllm.PLUGIN if source == "plugin" else _trl_vllm.LOGPROBS)
+    with _trl_vllm.recording(engine, temperature=0.0, vocab_size=V, support=support, accelerator=None) as recorded:
+        _, tokens, logprobs, _ = engine.generate([[1, 2], [3]], None, 1, None)
+    mask = recorded()
+    assert mask.to_lists() == [[t] for seq in tokens for t in seq]
+    assert float(engine.lp.max(-1).values.max()) < -1e-3  # vLLM's values are far from 0
+    assert [lp[0] for seq in logprobs for lp in seq] == mask.logprobs.tolist() == [0.0] * 6

@@ -13,12 +13,14 @@ from typing import Optional
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from mask_replay import SamplingMask
+from mask_replay import SamplingMask, mask_from_trl_vllm, mask_from_vllm_logprobs
 from mask_replay.errors import EngineOutputError
+from mask_replay.integrations.vllm_support import wire
+from mask_replay.sampler.adapters.vllm_support import support_to_json
 from tests.helpers import FIXTURES, assert_clean, assert_one_line_error, fixture, run
 
 
@@ -649,3 +651,74 @@ def test_convert_integer_too_long_to_read_is_one_line(tmp_path):
     assert_one_line_error(run("convert", lines, "-o", tmp_path / "o.safetensors", "--from", "vllm-json"),
                           "r.jsonl: line 1: an integer of more than")
     assert_clean(tmp_path, "o.safetensors")
+
+
+@pytest.mark.parametrize("read", [
+    lambda: SamplingMask.from_vllm({"request_id": "r", "choices": [
+        {"index": 0, "token_ids": [2**32 + 5], "sampling_mask": [[2**32 + 5]]}]}, vocab_size=2**40),
+    lambda: SamplingMask.from_sglang({"output_ids": [2**32 + 5], "meta_info": {
+        "id": "s", "output_token_sampling_mask": [[2**32 + 5]]}}, vocab_size=2**40),
+    lambda: SamplingMask.from_padded(torch.tensor([[2**32 + 5]]), torch.tensor([1]), vocab_size=2**40),
+])
+def test_an_id_beyond_int32_is_refused_whatever_vocab_size_says(read):
+    # with a vocab_size above 2^31 the id passed the range check and wrapped to 5 in the int32 cast
+    with pytest.raises(EngineOutputError, match=r"id 4294967301 is out of range \[0, 2147483648\)"):
+        read()
+
+
+# ---- a one-id row's log-prob over its support is 0, whichever reader (issue 48, item 4) ----------------
+def greedy_generation(seed: int, tokens: int, vocab: int):
+    """(argmax tokens, their full-vocabulary log-softmax, every id's): what vLLM 0.32 reports for greedy
+    rows, in processed_logprobs mode too (untruncated)."""
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.log_softmax(torch.randn(tokens, vocab, generator=g, dtype=torch.float64), -1)
+    sampled = lp.argmax(-1).tolist()
+    return sampled, [float(lp[t, s]) for t, s in enumerate(sampled)], lp
+
+
+def every_reader(sampled, token_lp, lp):
+    """The masks the same greedy generation gives through every reader of its engine's outputs."""
+    v = lp.shape[1]
+    rows = [[s] for s in sampled]
+    support = wire.join([np.array(r, np.int32) for r in rows], v)
+    offline = SimpleNamespace(request_id="r", outputs=[SimpleNamespace(
+        index=0, token_ids=sampled, logprobs=[{s: SimpleNamespace(logprob=x)} for s, x in zip(sampled, token_lp)],
+        sampling_support=support)])
+    content = {"content": [{"token": f"token_id:{s}", "logprob": x} for s, x in zip(sampled, token_lp)]}
+    tops = [{f"token_id:{i}": float(lp[t, i]) for i in range(v)} for t in range(len(sampled))]
+    yield "plugin, offline", SamplingMask.from_vllm(offline)
+    yield "plugin, server JSON", SamplingMask.from_vllm({"request_id": "r", "choices": [
+        {"index": 0, "token_ids": sampled, "logprobs": content, "sampling_support": support_to_json(support)}]})
+    yield "vLLM's sampling_mask", SamplingMask.from_vllm({"request_id": "r", "choices": [
+        {"index": 0, "token_ids": sampled, "logprobs": content, "sampling_mask": rows}]})
+    native = SimpleNamespace(token_ids=rows, logprobs=[[x] for x in token_lp])  # vllm.outputs.SamplingMask
+    yield "vLLM's SamplingMask with log-probs", SamplingMask.from_vllm(SimpleNamespace(
+        request_id="r", outputs=[SimpleNamespace(index=0, token_ids=sampled, logprobs=None, sampling_mask=native)]))
+    yield "processed log-probs", mask_from_vllm_logprobs(
+        {"id": "c", "choices": [{"index": 0, "logprobs": {"tokens": [f"token_id:{s}" for s in sampled],
+                                                           "token_logprobs": token_lp, "top_logprobs": tops}}]},
+        logprobs=v, temperature=0.0)
+    yield "TRL's vLLM", mask_from_trl_vllm([sampled], [[[x] for x in token_lp]], [[[s] for s in sampled]],
+                                           requested=1, temperature=0.0)
+    yield "SGLang", SamplingMask.from_sglang({"output_ids": sampled, "meta_info": {
+        "id": "s", "output_token_sampling_mask": rows, "output_token_sampling_logprobs": token_lp}})
+    yield "SGLang fixed capacity", SamplingMask.from_sglang({
+        "token_ids": torch.tensor(rows), "lengths": torch.ones(len(rows), dtype=torch.int32),
+        "sampled": torch.tensor(sampled), "selected_logprobs": torch.tensor(token_lp)})
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**16), st.integers(1, 6), st.integers(2, 40))
+def test_every_reader_gives_a_one_id_row_log_prob_0(seed, tokens, vocab):
+    sampled, token_lp, lp = greedy_generation(seed, tokens, vocab)
+    for name, mask in every_reader(sampled, token_lp, lp):
+        assert mask.to_lists() == [[s] for s in sampled], name
+        assert mask.logprobs.tolist() == [0.0] * tokens, name  # not the full-vocabulary -1.119
+        assert mask.entry_logprobs is None or mask.entry_logprobs.tolist() == [0.0] * tokens, name
+
+
+def test_only_one_id_rows_are_pinned():
+    # a sampled row keeps the engine's value (its processed log-prob over its support)
+    offline = SimpleNamespace(request_id="r", outputs=[SimpleNamespace(
+        index=0, token_ids=[3, 5], logprobs=[{3: -1.119}, {5: -0.7}], sampling_mask=[[3], [1, 5]])])
+    assert SamplingMask.from_vllm(offline).logprobs.tolist() == pytest.approx([0.0, -0.7])

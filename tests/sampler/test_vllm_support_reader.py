@@ -8,12 +8,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given
 
 from mask_replay import SamplingMask
 from mask_replay.errors import EngineOutputError
 from mask_replay.integrations.vllm_support import wire
 from mask_replay.sampler.adapters.vllm_support import support_rows, support_to_json
-from tests.helpers import FIXTURES
+from tests.helpers import FIXTURES, arriving_support
 
 BLOCKS_FIXTURE = os.path.join(FIXTURES, "vllm_support_blocks.json")
 
@@ -101,3 +102,25 @@ def test_recorded_engine_blocks_decode_to_the_engines_own_support():
         assert got.tolist() == expected, r
         assert entry["sampled"] in set(got.tolist()), r
     assert kinds == {"ids", "bitmask", "whole"}  # every layout came out of the real engine
+
+
+@given(arriving_support(50))
+def test_an_in_memory_support_is_checked_on_its_values_as_recorded(drawn):
+    # any integer dtype: uint64 offsets [0, 3, 1, 3] used to pass (their differences wrap to 2^64 - 2)
+    rows, ids, offsets, damage = drawn
+    tokens = [r[0] if r else 0 for r in rows] if damage == "none" else [0] * (len(offsets) - 1)
+    out = SimpleNamespace(request_id="a", outputs=[SimpleNamespace(
+        index=0, token_ids=tokens, logprobs=None,
+        sampling_support=SimpleNamespace(token_ids=ids, offsets=offsets, vocab_size=50))])
+    if damage != "none":
+        with pytest.raises(EngineOutputError, match="request 0 .id 'a'. choice 0"):
+            SamplingMask.from_vllm(out)
+        return
+    assert SamplingMask.from_vllm(out).to_lists() == rows
+
+
+def test_a_vocabulary_beyond_int32_is_refused():
+    s = SimpleNamespace(token_ids=np.array([2**32 + 5]), offsets=np.array([0, 1]), vocab_size=2**40)
+    with pytest.raises(EngineOutputError, match=r"sampling_support.vocab_size is 1099511627776, expected a positive "
+                                                r"integer \(ids are int32: at most 2\^31\)"):
+        support_rows(s, "request 0 choice 0")

@@ -295,3 +295,54 @@ def test_hypothesis_layouts(b, t, v, seed, ignore, cut):
     z2 = base.clone().requires_grad_(True)
     reference(z2[:, cut:], mask, labels).sum().backward()
     torch.testing.assert_close(z.grad, z2.grad, rtol=0, atol=1e-12)
+
+
+# ---- every stride pattern: gradient memory of the logits' own size (issue 48, item 8) ---------------
+def backward_bytes(loss, z) -> tuple[int, torch.Tensor]:
+    """(bytes the backward allocates, counted op by op from the profiler's memory records without
+    their frees: an upper bound of its peak; the gradient of z). autograd.grad, not backward: a
+    leaf's AccumulateGrad may copy a gradient to the leaf's strides, which is not replay's doing."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        (g,) = torch.autograd.grad(loss, z)
+    total = 0
+    for e in prof.events():
+        own = e.cpu_memory_usage - sum(c.cpu_memory_usage for c in e.cpu_children)
+        total += max(own, 0)
+    return total, g
+
+
+def strided_layouts(values, g):
+    """The same [B, T, V] values over every order of a buffer's dims, each whole or sliced (a dim cut at
+    both ends, or every other entry): the layouts permutations of buffers give (logits_bvt.transpose(1, 2)
+    is order (0, 2, 1)). The buffer's other entries are noise."""
+    b, t, v = values.shape
+    cuts = {"whole": ((b, t, v), (slice(None),) * 3),
+            "time_cut": ((b, t + 2, v), (slice(None), slice(1, 1 + t), slice(None))),
+            "time_every_other": ((b, 2 * t, v), (slice(None), slice(None, 2 * t, 2), slice(None))),
+            "vocab_every_other": ((b, t, 2 * v), (slice(None), slice(None), slice(None, 2 * v, 2))),
+            "batch_cut": ((b + 2, t, v), (slice(1, 1 + b), slice(None), slice(None)))}
+    for order in ((0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)):
+        for cut, (shape, index) in cuts.items():
+            buffer = torch.randn(*(shape[d] for d in order), generator=g, dtype=values.dtype)
+            logits = buffer.permute(tuple(order.index(d) for d in range(3)))[index]  # buffer dims back to B, T, V
+            logits.copy_(values)
+            yield f"{order}-{cut}", logits
+
+
+def test_every_stride_pattern_has_a_gradient_of_the_logits_size():
+    b, t, v = 2, 6, 256
+    labels, mask = make_batch(b, t, v, seed=6)
+    g = torch.Generator().manual_seed(7)
+    values = torch.randn(b, t, v, generator=g, dtype=torch.float64)
+    w = torch.linspace(0.5, 1.5, b * t, dtype=torch.float64).reshape(b, t)
+    z2 = values.clone().requires_grad_(True)
+    want = reference(z2, mask, labels, 0.9)
+    (want_grad,) = torch.autograd.grad((want * w).sum(), z2)
+    for name, logits in strided_layouts(values, g):
+        z = logits.detach().requires_grad_(True)  # the strides as they are
+        got = mr.replay_logprobs(z, mask, labels, 0.9)
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12, msg=name)
+        used, grad = backward_bytes((got * w).sum(), z)
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12, msg=name)
+        # [B, V, T] transposed asked for a [(B - 1) * V * T + T, V] gradient: V times the logits here
+        assert used <= 2 * logits.numel() * logits.element_size(), (name, used, _rows_of(z))

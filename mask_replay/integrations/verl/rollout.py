@@ -179,8 +179,8 @@ def _with_support(original):
         if support is None:
             raise EngineOutputError(f"request {request_id}: the completion carries no '{ATTRIBUTE}' (is "
                                     "mask-replay's vLLM plugin loaded in the rollout server?)", key=SUPPORT_KEY)
-        ids = np.asarray(support.token_ids, dtype=np.int32)
-        offsets = np.asarray(support.offsets, dtype=np.int64)
+        # as recorded, not cast: SupportTrack.receive checks the values and only then narrows them
+        ids, offsets = np.asarray(support.token_ids), np.asarray(support.offsets)
         if offsets.ndim != 1 or offsets.shape[0] != n + 1:
             raise EngineOutputError(f"request {request_id}: the support has {max(offsets.shape[0] - 1, 0)} rows but "
                                     f"the completion has {n} tokens", key=SUPPORT_KEY)

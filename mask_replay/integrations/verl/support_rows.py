@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import torch
 
 from mask_replay import csr
@@ -46,20 +45,6 @@ class LocalSupport:
         return keep
 
 
-def _as_tensor(values: Any, dtype: torch.dtype, name: str, sample: int) -> torch.Tensor:
-    if isinstance(values, torch.Tensor):
-        t = values.detach().cpu()
-    elif isinstance(values, (np.ndarray, list, tuple)):
-        t = torch.from_numpy(np.ascontiguousarray(np.asarray(values)))
-    else:
-        raise InputError(f"sample {sample}: {SUPPORT_KEY}.{name} must be an array, got {type(values).__name__}",
-                         key=SUPPORT_KEY)
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() != 1:
-        raise InputError(f"sample {sample}: {SUPPORT_KEY}.{name} must be a 1-D integer array, got {t.dtype} "
-                         f"{tuple(t.shape)}", key=SUPPORT_KEY)
-    return t.to(dtype)
-
-
 def sample_support(support: Any, sample: int, vocab_size: Optional[int] = None) -> Optional[SamplingMask]:
     """One sample's recorded support as a validated SamplingMask, or None when nothing was recorded.
 
@@ -76,13 +61,11 @@ def sample_support(support: Any, sample: int, vocab_size: Optional[int] = None) 
     else:
         raise InputError(f"sample {sample}: {SUPPORT_KEY} must hold token_ids and offsets, got "
                          f"{type(support).__name__}", key=SUPPORT_KEY)
-    mask = SamplingMask(_as_tensor(ids, torch.int32, "token_ids", sample),
-                        _as_tensor(offsets, torch.int64, "offsets", sample))
-    try:
-        mask.validate(vocab_size, source=f"{SUPPORT_KEY} of sample {sample}")
+    try:  # checked as given, then cast: int64 / uint64 ids of 2^32 + 5 must not wrap into range
+        return SamplingMask(*csr.checked_csr(ids, offsets, source=f"{SUPPORT_KEY} of sample {sample}",
+                                             vocab_size=vocab_size))
     except MaskFormatError as exc:
         raise InputError(str(exc), key=SUPPORT_KEY) from None
-    return mask
 
 
 @dataclass

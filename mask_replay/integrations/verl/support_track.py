@@ -16,7 +16,8 @@ from typing import Optional
 
 import numpy as np
 
-from mask_replay.errors import EngineOutputError
+from mask_replay import csr
+from mask_replay.errors import EngineOutputError, MaskFormatError
 from mask_replay.integrations.verl.support_rows import SUPPORT_KEY
 
 __all__ = ["SupportTrack", "TRACK"]
@@ -45,12 +46,18 @@ class SupportTrack:
             raise EngineOutputError(f"{self.label}: request {request_id} returned {num_tokens} tokens without "
                                     f"'{SUPPORT_KEY}' (is MASK_REPLAY_VERL=1 set in the rollout server's process?)",
                                     key=SUPPORT_KEY)
-        ids = np.asarray(support["token_ids"], dtype=np.int32)
-        offsets = np.asarray(support["offsets"], dtype=np.int64)
-        if offsets.ndim != 1 or offsets.size != num_tokens + 1 or offsets[-1] != ids.size:
-            raise EngineOutputError(f"{self.label}: request {request_id} returned {num_tokens} tokens but "
-                                    f"{max(offsets.size - 1, 0)} support rows", key=SUPPORT_KEY)
-        self.pending.append((ids, np.diff(offsets)))
+        where = f"{self.label}: request {request_id}"
+        if not isinstance(support, dict) or "token_ids" not in support or "offsets" not in support:
+            raise EngineOutputError(f"'{SUPPORT_KEY}' is a {type(support).__name__}, expected a dict of token_ids "
+                                    "and offsets", file=where)
+        try:  # the CSR contract on the values as sent (offsets from 0, never decreasing; int32 ids), then cast
+            ids, offsets = csr.checked_csr(support["token_ids"], support["offsets"], source=where)
+        except MaskFormatError as exc:
+            raise exc.at(key=SUPPORT_KEY, cls=EngineOutputError) from None
+        if offsets.numel() != num_tokens + 1:
+            raise EngineOutputError(f"returned {num_tokens} tokens but {offsets.numel() - 1} support rows",
+                                    file=where, key=SUPPORT_KEY)
+        self.pending.append((ids.numpy(), offsets.diff().numpy()))
 
     def merge(self, merge_result, rows_before: int, rows_after: int) -> None:
         """verl's align_response_metadata edits (continuous_token.py), on the rows."""

@@ -95,7 +95,8 @@ def build_mask(completions: Sequence[Completion], *, engine: str, temperature=No
     extras: `sequence` (index of the completion in that order), `position` (token index within
     its completion), `step` and `temperature` when given. `logprobs` is the log-prob of the
     sampled token over its mask: from the per-entry mask log-probs when the engine sent them,
-    else from the per-token log-probs; NaN for a token with an empty mask and no per-token value.
+    else from the per-token log-probs; 0 for a one-id mask (single_id_rows_certain); NaN for a token
+    with an empty mask and no per-token value.
     """
     if vocab_size is not None and (not _is_int(vocab_size) or vocab_size < 1):
         raise EngineOutputError(f"vocab_size must be a positive integer, got {vocab_size!r}")
@@ -116,17 +117,30 @@ def build_mask(completions: Sequence[Completion], *, engine: str, temperature=No
     meta = {"engine": engine, "logprobs_source": source, "sequences": [c.key for c in completions]}
     if vocab_size is not None:
         meta["vocab_size"] = int(vocab_size)
-    mask = SamplingMask(
+    mask = single_id_rows_certain(SamplingMask(
         torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(offsets),
         sampled=torch.from_numpy(parsed.sampled), logprobs=logprobs, extras=extras, metadata=meta,
-        entry_logprobs=entry_lp)
+        entry_logprobs=entry_lp))
     if entry_lp is not None:  # NaN, +inf or a row that is not a distribution: named by its row
-        try:
-            csr.check_entry_logprobs(entry_lp, mask.offsets, source="sampling-mask log-probs")
+        try:  # (a one-id row is at 0 by now: the engine's value there is checked as a number only)
+            csr.check_entry_logprobs(mask.entry_logprobs, mask.offsets, source="sampling-mask log-probs")
         except MaskFormatError as exc:
             if exc.row is None:  # not a row's values (the counts were checked above): say it as it is
                 raise EngineOutputError(f"sampling-mask log-probs: {exc.problem}") from None
             raise EngineOutputError(f"{where(exc.row)}: {exc.problem.replace('{row}', str(exc.row))}") from None
+    return mask
+
+
+def single_id_rows_certain(mask: SamplingMask) -> SamplingMask:
+    """Every row whose support is one id (its sampled token, checked) at log-prob 0, in `logprobs` and
+    `entry_logprobs`: that is the log-prob over the support, whatever the engine's field says (vLLM
+    reports a greedy row's log-prob over the whole vocabulary, -1.119 for a token whose ratio is 1;
+    mask_from_vllm_logprobs writes 0 for the same row). So every reader of one generation agrees."""
+    one = mask.lengths() == 1
+    if mask.logprobs is not None:
+        mask.logprobs = mask.logprobs.masked_fill(one, 0.0)
+    if mask.entry_logprobs is not None and mask.nnz:
+        mask.entry_logprobs = mask.entry_logprobs.index_fill(0, mask.offsets[:-1][one], 0.0)
     return mask
 
 
@@ -346,7 +360,8 @@ def _entry_logprobs(c: Completion, counts: np.ndarray):
 
 
 def _check_ids(ids, row_of, sampled, vocab_size, where):
-    limit = vocab_size if vocab_size is not None else INT32_LIMIT
+    # int32 ids whatever vocab_size says: a larger one would let 2^32 + 5 through, to wrap to 5 in the cast
+    limit = min(vocab_size, INT32_LIMIT) if vocab_size is not None else INT32_LIMIT
     bad = np.flatnonzero((ids < 0) | (ids >= limit))
     if bad.size:
         r = int(row_of[bad[0]])

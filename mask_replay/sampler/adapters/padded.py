@@ -77,7 +77,8 @@ def mask_from_padded(ids, counts, *, strict_padding: bool = True, vocab_size: Op
     check_counts(counts, w, source)
     ids = ids.to(torch.int64)
     valid = torch.arange(w, device=ids.device)[None, :] < counts[:, None]
-    limit = vocab_size if vocab_size is not None else INT32_LIMIT
+    # int32 ids whatever vocab_size says: a larger one would let 2^32 + 5 through, to wrap to 5 in the cast
+    limit = min(vocab_size, INT32_LIMIT) if vocab_size is not None else INT32_LIMIT
     bad = torch.nonzero(valid & ((ids < 0) | (ids >= limit)))
     if bad.numel():
         r, s = (int(x) for x in bad[0])

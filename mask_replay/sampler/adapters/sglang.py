@@ -20,7 +20,16 @@ import torch
 
 from mask_replay.errors import EngineOutputError
 from mask_replay.mask import adapter
-from mask_replay.sampler.adapters.common import Completion, as_list, build_mask, checked_logprobs, get, has, row_extras
+from mask_replay.sampler.adapters.common import (
+    Completion,
+    as_list,
+    build_mask,
+    checked_logprobs,
+    get,
+    has,
+    row_extras,
+    single_id_rows_certain,
+)
 from mask_replay.sampler.adapters.padded import _int_tensor, mask_from_padded
 
 
@@ -102,6 +111,7 @@ def _from_fixed(obj, *, temperature, step, vocab_size):
     # SGLang leaves the slots past a row's length unspecified: they are not read
     mask = mask_from_padded(get(obj, "token_ids"), counts, strict_padding=False, vocab_size=vocab_size,
                             source=source, **extras)
+    single_id_rows_certain(mask)
     mask.extras.update(row_extras(mask.num_rows, step=step, temperature=temperature))
     mask.metadata.update({"engine": "sglang", "logprobs_source": "selected_logprobs" if lp is not None else "none"})
     return mask

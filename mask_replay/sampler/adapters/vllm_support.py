@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mask_replay.errors import EngineOutputError
+from mask_replay import csr
+from mask_replay.errors import EngineOutputError, MaskFormatError
 from mask_replay.sampler.adapters.common import _is_int, get, has
 
 FIELD = "sampling_support"
@@ -65,15 +66,18 @@ def support_rows(value, label: str) -> SupportRows:
         ids = _decoded(value.get("token_ids"), "<i4", label, "token_ids")
         offsets = _decoded(value.get("offsets"), "<i8", label, "offsets")
     elif has(value, "token_ids") and has(value, "offsets"):
-        vocab, ids, offsets = get(value, "vocab_size"), np.asarray(value.token_ids), np.asarray(value.offsets)
+        vocab = get(value, "vocab_size")
+        try:  # the values as recorded, widened (never narrowed: uint64 offsets would wrap their differences)
+            ids, offsets = (csr.exact_int64(get(value, k), name=k, source=f"{label}: {FIELD}").numpy()
+                            for k in ("token_ids", "offsets"))
+        except MaskFormatError as exc:
+            raise exc.at(cls=EngineOutputError) from None
     else:
         raise EngineOutputError(f"{label}: {FIELD} is a {type(value).__name__}, expected token_ids, offsets and "
                                 "vocab_size")
-    if not _is_int(vocab) or vocab < 1:
-        raise EngineOutputError(f"{label}: {FIELD}.vocab_size is {vocab!r}, expected a positive integer")
-    if ids.ndim != 1 or offsets.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) \
-            or not np.issubdtype(offsets.dtype, np.integer):
-        raise EngineOutputError(f"{label}: {FIELD} token_ids and offsets must be 1-D integer arrays")
+    if not _is_int(vocab) or not 1 <= vocab <= csr.INT32_LIMIT:
+        raise EngineOutputError(f"{label}: {FIELD}.vocab_size is {vocab!r}, expected a positive integer (ids are "
+                                "int32: at most 2^31)")
     if offsets.size == 0 or offsets[0] != 0 or offsets[-1] != ids.size or bool((np.diff(offsets) < 0).any()):
         raise EngineOutputError(f"{label}: {FIELD}.offsets must rise from 0 to the {ids.size} ids")
     bad = np.flatnonzero((ids < 0) | (ids >= vocab))

@@ -1,13 +1,18 @@
 """support_rows: where each recorded row lands in verl's packed, padded, sequence-parallel-sliced layout.
 No verl import: the expected positions are worked out token by token from verl's layout rule (see the
 module docstring), independently of the vectorised code."""
+import json
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
 
 from mask_replay.errors import InputError, OutsideSupportError
 from mask_replay.integrations.verl.support_rows import local_support, sample_support
 from mask_replay.mask import SamplingMask
+from tests.helpers import arriving_support
 
 V = 50
 
@@ -132,3 +137,39 @@ def test_uneven_padding_is_refused():
     ids, cu, resp, rows = batch()
     with pytest.raises(InputError, match="not divisible by sequence parallel size 2"):
         local_support([None] * 3, ids, cu, resp, vocab_size=V, pad_size=0 if int(cu[-1]) % 2 else 1, sp_size=2)
+
+
+# ---- a support is input: checked on its values as sent, then cast (issue 48, items 5 and 6) ----------
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64, "torch", "list"])
+def test_an_id_that_int32_would_wrap_into_range_is_refused(dtype):
+    ids = [2**32 + 5, 2**32 + 9]  # 5 and 9 once cast to int32
+    ids = torch.tensor(ids) if dtype == "torch" else ids if dtype == "list" else np.array(ids, dtype=dtype)
+    with pytest.raises(InputError, match=r"sample 3: token_ids of row 0 hold an id outside \[0, 100\) "
+                                         r"\(id 4294967301\)"):
+        sample_support({"token_ids": ids, "offsets": [0, 1, 2]}, 3, vocab_size=100)
+
+
+@given(arriving_support(V))
+def test_sample_support_refuses_every_damaged_support_and_keeps_every_valid_one(drawn):
+    rows, ids, offsets, damage = drawn
+    for support in ({"token_ids": ids, "offsets": offsets},
+                    SimpleNamespace(token_ids=ids, offsets=offsets)):  # the plugin's record shape
+        if damage != "none":
+            with pytest.raises(InputError, match="sample 2"):
+                sample_support(support, 2, vocab_size=V)
+        else:
+            mask = sample_support(support, 2, vocab_size=V)
+            assert mask.to_lists() == rows and mask.token_ids.dtype == torch.int32
+
+
+@pytest.mark.parametrize("offsets", [[0, 0, 0], [0]])
+def test_an_empty_support_from_json_is_nothing_to_replay(offsets):
+    # what a JSON round trip of numpy's empty int arrays gives: [] (read back as float64)
+    ids, cu, resp, rows = batch(4, prompts=(3, 2, 2), responses=(4, len(offsets) - 1, 5))
+    rows[1] = [[]] * (len(offsets) - 1)
+    as_json = json.loads(json.dumps({"token_ids": [], "offsets": offsets}))
+    as_numpy = Record(rows[1])
+    assert sample_support(as_json, 1, V).to_lists() == sample_support(as_numpy, 1, V).to_lists() == rows[1]
+    for second in (as_json, as_numpy):
+        layout = local_support([Record(rows[0]), second, Record(rows[2])], ids, cu, resp, vocab_size=V)
+        assert got(layout) == expected(ids, cu, resp, rows, 0, 0, 1)

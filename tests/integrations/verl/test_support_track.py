@@ -5,9 +5,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given
 
 from mask_replay.errors import EngineOutputError
 from mask_replay.integrations.verl.support_track import SupportTrack
+from tests.helpers import arriving_support
 
 
 def support(rows):
@@ -78,3 +80,32 @@ def test_inconsistent_turns_are_one_error_naming_the_sample(case):
             t.finish([1], [1])
         else:
             t.merge(merge("context", 2), 1, 3)  # the loop's mask grew without a merge
+
+
+# ---- a generation's support is input: the CSR contract at receive() (issue 48, item 7) -------------
+@pytest.mark.parametrize("sent, tokens, problem", [
+    ({"token_ids": [9, 9, 4, 3, 8], "offsets": [2, 3, 5]}, 2, r"offsets\[0\] must be 0, got 2"),  # a slice not rebased
+    ({"token_ids": [4, 3, 8], "offsets": [0, 3, 1, 3]}, 3, r"offsets decrease at row 1 \(3 -> 1\)"),
+    ({"token_ids": np.array([2**32 + 7]), "offsets": [0, 1]}, 1, r"outside \[0, 2\^31\) \(id 4294967303\)"),
+    ({"token_ids": [7], "offsets": [0, 1, 1]}, 1, "returned 1 tokens but 2 support rows"),
+    ({"token_ids": [7]}, 1, "expected a dict of token_ids and offsets"),
+])
+def test_a_damaged_support_is_refused_at_receive_naming_sample_and_request(sent, tokens, problem):
+    t = SupportTrack("sample 5")
+    with pytest.raises(EngineOutputError, match=r"^sample 5: request r9: .*" + problem):
+        t.receive(sent, tokens, "r9")
+    assert t.pending == []
+
+
+@given(arriving_support(50))
+def test_receive_refuses_every_damaged_support_and_keeps_every_valid_one(drawn):
+    rows, ids, offsets, damage = drawn
+    t = SupportTrack("sample 1")
+    if damage != "none":
+        with pytest.raises(EngineOutputError, match="^sample 1: request r: "):
+            t.receive({"token_ids": ids, "offsets": offsets}, len(offsets) - 1, "r")
+        return
+    t.receive({"token_ids": ids, "offsets": offsets}, len(rows), "r")
+    t.merge(merge("assistant", len(rows)), 0, len(rows))
+    out = t.finish([r[0] if r else 0 for r in rows], [int(bool(r)) for r in rows])
+    assert rows_of(out) == rows and out["token_ids"].dtype == np.int32
