@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from mask_replay._ops import ops
 from mask_replay.csr import segment_logsumexp
-from mask_replay.integrations._steplog import StepLog
+from mask_replay.integrations.transformers.steplog import StepLog
 from mask_replay.mask import SamplingMask
 from mask_replay.params import describe, expand_params
 
