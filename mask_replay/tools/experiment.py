@@ -2,7 +2,7 @@
 the same initial weights, scoring every step with the metric functions of `mask-replay score`.
 
 Per step and per run: the engine (a copy of the policy, `engine_dtype`) samples G answers per prompt
-with transformers' warpers and MaskRecorder last (integrations/transformers.py), recording the support,
+with transformers' warpers and MaskRecorder last (integrations/transformers/), recording the support,
 the sampled tokens and its own processed log-probs; the reward is read from the text; advantages are
 normalised within each group; the trainer (fp32 master weights, forward under `trainer_dtype` autocast)
 takes `mu` AdamW steps on the token-level PPO objective with ratio exp(train - rollout), clipped at

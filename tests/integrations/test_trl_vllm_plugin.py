@@ -1,4 +1,4 @@
-"""ReplayGRPOTrainer with mask_replay's vLLM plugin (integrations/_trl_vllm.py, source PLUGIN), on TRL-shaped
+"""ReplayGRPOTrainer with mask_replay's vLLM plugin (integrations/trl/vllm_mode.py, source PLUGIN), on TRL-shaped
 fakes of VLLMGeneration whose engine outputs carry `sampling_support` as the plugin attaches it (colocate:
 `CompletionOutput.sampling_support`; server: the `/v1/completions` choices' JSON). vLLM is asked for what
 plain TRL asks (logprobs=0), the supports come from the engine, TRL's IS ratio is 1. The real engine:
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import trl.trainer.grpo_trainer as grpo_module
 
-from mask_replay.integrations import _trl_vllm, vllm_support
-from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer
+from mask_replay.integrations import vllm_support
+from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer, vllm_mode
 from mask_replay.integrations.vllm_support import wire
 from mask_replay.sampler.adapters.vllm_support import support_to_json
 from tests.integrations.test_trl_vllm import FakeVLLMGeneration
@@ -80,7 +80,7 @@ def test_plugin_supports_replace_the_logprob_request_and_replay_is_exact(engine_
     monkeypatch.setattr(vllm_support, "active", lambda: True)  # colocate: the plugin loaded in this process
     trainer = trainer_with(engine_cls, tmp_path, monkeypatch, mode=mode, top_k=4)
     engine = trainer.vllm_generation
-    assert trainer.replay_vllm_support.source == _trl_vllm.PLUGIN and trainer.replay_vllm_settings is None
+    assert trainer.replay_vllm_support.source == vllm_mode.PLUGIN and trainer.replay_vllm_settings is None
     assert engine.logprobs == 0  # what plain GRPOTrainer asks: no top-N request for the support
     trainer.model.train()
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
@@ -106,7 +106,7 @@ def test_server_without_the_plugin_falls_back_or_names_the_fix(tmp_path, monkeyp
             return {"choices": [{"index": 0, "token_ids": [5]}]}  # no sampling_support: the plugin is off
 
     trainer = trainer_with(PlainServer, tmp_path, monkeypatch, mode="server", top_k=4)
-    assert trainer.replay_vllm_support.source == _trl_vllm.LOGPROBS and trainer.vllm_generation.logprobs == 5
+    assert trainer.replay_vllm_support.source == vllm_mode.LOGPROBS and trainer.vllm_generation.logprobs == 5
     with pytest.raises(Exception, match="MASK_REPLAY_VLLM_SUPPORT=1"):
         trainer_with(PlainServer, tmp_path, monkeypatch, mode="server", top_p=0.9)
 

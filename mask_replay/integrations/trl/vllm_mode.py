@@ -28,7 +28,7 @@ from accelerate.utils import broadcast_object_list
 
 from mask_replay.errors import EngineOutputError, InputError
 from mask_replay.integrations import vllm_support
-from mask_replay.integrations._shadow import shadowed
+from mask_replay.integrations.trl.shadow import shadowed
 from mask_replay.mask import SamplingMask
 from mask_replay.sampler.adapters.vllm import mask_from_vllm
 from mask_replay.sampler.adapters.vllm_logprobs import VllmLogprobsSettings, mask_from_trl_vllm, vllm_logprobs_settings
@@ -38,7 +38,7 @@ __all__ = ["EngineSupport", "configure_engine", "recording", "sampled_first", "s
            "LOGPROBS"]
 
 PLUGIN, LOGPROBS = "plugin", "processed_logprobs"
-_SET_BY_REPLAY = {"top_k", "top_p", "min_p", "logprobs", "logprobs_mode"}  # temperature: trl.py's rule
+_SET_BY_REPLAY = {"top_k", "top_p", "min_p", "logprobs", "logprobs_mode"}  # temperature: trainer.py's rule
 _PLUGIN_FIX = (f"turn on mask_replay's vLLM plugin ({vllm_support.ENV}=1 in the environment that starts vLLM: this "
                "process for colocate mode, the server's for server mode)")
 

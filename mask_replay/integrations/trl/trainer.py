@@ -19,7 +19,7 @@ takes every GRPOTrainer argument. What it changes (read against trl 1.16.0, trai
   is the whole vocabulary keeps TRL's own log-prob, so with no truncation nothing changes at all.
 - metrics `replay/kept_mass/mean` and `replay/support_size/mean` in TRL's logs.
 
-- vLLM generation (`use_vllm=True`, colocate or server; `_trl_vllm.py`): with mask_replay's vLLM plugin
+- vLLM generation (`use_vllm=True`, colocate or server; `vllm_mode.py`): with mask_replay's vLLM plugin
   on (MASK_REPLAY_VLLM_SUPPORT=1 where vLLM starts) each completion's support comes with the engine's
   output and vLLM is asked for nothing more than plain TRL asks; without it, the engine is asked for the
   processed log-probs that show the support (top_k + 1, or `replay_top_k_cap` + 1 with that top_k added;
@@ -32,7 +32,7 @@ Public API: `ReplayGRPOTrainer(*GRPOTrainer args, replay_top_k_cap=None, **GRPOT
 
 Not built yet (each a clear error): transformers continuous batching, tools / environments /
 rollout_func (their completions hold tokens nobody sampled), models with a logit multiplier other
-than `logit_scale`. A final logit softcap (Gemma 2) takes `_trl_softcap.py`'s path: the support's
+than `logit_scale`. A final logit softcap (Gemma 2) takes `softcap.py`'s path: the support's
 logits gathered per chunk of rows (O(nnz x d), recomputed in the backward), TRL's transform applied.
 """
 from __future__ import annotations
@@ -53,10 +53,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError("mask_replay.integrations.trl needs trl 1.16: pip install 'mask-replay[trl]'") from exc
 
 from mask_replay.errors import InputError
-from mask_replay.integrations import _trl_vllm
-from mask_replay.integrations._shadow import shadowed
-from mask_replay.integrations._trl_softcap import softcapped_support_logprobs
 from mask_replay.integrations.transformers import WARPERS_OFF, MaskRecorder, hf_warpers
+from mask_replay.integrations.trl import vllm_mode
+from mask_replay.integrations.trl.shadow import shadowed
+from mask_replay.integrations.trl.softcap import softcapped_support_logprobs
 from mask_replay.mask import SamplingMask
 from mask_replay.trainer.replay import replay_logprobs_from_hidden
 
@@ -193,7 +193,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if self.tools or self.rollout_func is not None or self.environment_factories is not None:
             _refuse("tools, environments or rollout_func", "their completions hold tokens nobody sampled")
         self._replay_scale = _logit_scale(self.accelerator.unwrap_model(self.model).config)
-        # a final softcap is not linear in the logits: that path gathers the support's logits (_trl_softcap.py)
+        # a final softcap is not linear in the logits: that path gathers the support's logits (softcap.py)
         self._replay_softcap = getattr(self.accelerator.unwrap_model(self.model).config.get_text_config(),
                                        "final_logit_softcapping", None)
         self._replay_top_k_cap = replay_top_k_cap
@@ -206,8 +206,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self._replay_next = 0
         self._replay_active = None  # replay_index [B] of the batch being scored
         self.replay_vllm_support = self.replay_vllm_settings = None
-        if self.use_vllm:  # the plugin's supports, or the log-probs that show them (_trl_vllm.py)
-            self.replay_vllm_support = _trl_vllm.configure_engine(
+        if self.use_vllm:  # the plugin's supports, or the log-probs that show them (vllm_mode.py)
+            self.replay_vllm_support = vllm_mode.configure_engine(
                 self.vllm_generation, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                 min_p=self.min_p, vocab_size=self._replay_vocab_size(), top_k_cap=replay_top_k_cap)
             self.replay_vllm_settings = self.replay_vllm_support.settings
@@ -257,7 +257,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm:
-            with _trl_vllm.recording(self.vllm_generation, temperature=self.temperature,
+            with vllm_mode.recording(self.vllm_generation, temperature=self.temperature,
                                      vocab_size=self._replay_vocab_size(), support=self.replay_vllm_support,
                                      accelerator=self.accelerator) as recorded:
                 completion_ids, logprobs = super()._generate_single_turn(
