@@ -11,7 +11,7 @@ import torch
 import trl.trainer.grpo_trainer as grpo_module
 
 from mask_replay.errors import EngineOutputError, InputError
-from mask_replay.integrations import _trl_vllm
+from mask_replay.integrations.trl import vllm_mode
 from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer
 from mask_replay.integrations.vllm_support import wire
 from tests.integrations.trl_helpers import V, grpo_args, prompts, reward_len, tiny_model, tiny_tokenizer
@@ -299,8 +299,8 @@ class GreedyEngine:
 @pytest.mark.parametrize("source", ["plugin", "sampling_mask", "logprobs"])
 def test_greedy_tokens_hand_trl_the_log_prob_over_their_one_id_support(source):
     engine = GreedyEngine(source)
-    support = _trl_vllm.EngineSupport(_trl_vllm.PLUGIN if source == "plugin" else _trl_vllm.LOGPROBS)
-    with _trl_vllm.recording(engine, temperature=0.0, vocab_size=V, support=support, accelerator=None) as recorded:
+    support = vllm_mode.EngineSupport(vllm_mode.PLUGIN if source == "plugin" else vllm_mode.LOGPROBS)
+    with vllm_mode.recording(engine, temperature=0.0, vocab_size=V, support=support, accelerator=None) as recorded:
         _, tokens, logprobs, _ = engine.generate([[1, 2], [3]], None, 1, None)
     mask = recorded()
     assert mask.to_lists() == [[t] for seq in tokens for t in seq]
