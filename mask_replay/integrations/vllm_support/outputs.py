@@ -28,7 +28,6 @@ from mask_replay.sampler.adapters.vllm_support import FIELD, SupportRows
 
 _LOG = "_mask_replay_blocks"  # LogprobsProcessor: the request's BlockLog (None once a token came without)
 _MISSING = object()
-_SENT = "_mask_replay_sent"  # rows already handed out (DELTA outputs)
 
 
 def install(logprobs_processor_cls, request_state_cls, delta_kind) -> None:
@@ -53,11 +52,12 @@ class BlockLog:
     Appending never changes what an earlier read handed out: decoded rows are written past the filled
     part, and growing moves to new arrays while old views keep the old ones."""
 
-    __slots__ = ("steps", "num_rows", "_decoded", "_ids", "_offsets", "_vocab", "_error")
+    __slots__ = ("steps", "num_rows", "sent", "_decoded", "_ids", "_offsets", "_vocab", "_error")
 
     def __init__(self):
-        self.steps: list[np.ndarray] = []  # not yet decoded
+        self.steps: list[np.ndarray] = []  # not yet decoded (appended by the update wrapper itself)
         self.num_rows = 0  # rows appended
+        self.sent = 0  # rows handed out in DELTA outputs
         self._decoded = 0
         self._ids = np.zeros(0, dtype=np.int32)
         self._offsets = np.zeros(1, dtype=np.int64)
@@ -68,10 +68,10 @@ class BlockLog:
         self.steps.append(blocks)
         self.num_rows += blocks.shape[0]
 
-    def rows(self, start: int, stop: int, label: str) -> SupportRows:
+    def rows(self, start: int, stop: int, request_id) -> SupportRows:
         """Rows [start, stop) (views of the buffer), decoding whatever came since the last read."""
         if stop > self._decoded:
-            self._decode(label)
+            self._decode(f"request {request_id}")
         lo, hi = int(self._offsets[start]), int(self._offsets[stop])
         offsets = self._offsets[start:stop + 1]
         return SupportRows(self._ids[lo:hi], offsets - lo if lo else offsets, self._vocab)
@@ -115,19 +115,21 @@ class LazySupport:
     num_rows): decoded and checked on the first read of token_ids, offsets or vocab_size, then kept.
     Pickles as the plain SupportRows (Ray, multiprocessing)."""
 
-    __slots__ = ("_log", "_start", "_stop", "_label", "_rows")
+    __slots__ = ("_log", "_start", "_stop", "_request_id", "_rows")
 
-    def __init__(self, log: BlockLog, start: int, stop: int, label: str):
-        self._log, self._start, self._stop, self._label, self._rows = log, start, stop, label, None
+    def __init__(self, log: BlockLog, start: int, stop: int, request_id):
+        self._log, self._start, self._stop, self._request_id = log, start, stop, request_id
 
     @property
     def num_rows(self) -> int:
         return self._stop - self._start
 
     def rows(self) -> SupportRows:
-        if self._rows is None:
-            self._rows = self._log.rows(self._start, self._stop, self._label)
-        return self._rows
+        try:
+            return self._rows
+        except AttributeError:  # the first read (the slot is left unset at construction: this is per token)
+            self._rows = self._log.rows(self._start, self._stop, self._request_id)
+            return self._rows
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -146,10 +148,11 @@ class LazySupport:
         return SupportRows, (rows.token_ids.copy(), rows.offsets.copy(), rows.vocab_size)
 
     def __repr__(self) -> str:
-        return f"LazySupport({self._label}, rows {self._start}..{self._stop})"
+        return f"LazySupport(request {self._request_id}, rows {self._start}..{self._stop})"
 
 
 def _splitting_update(original):
+    # the hot path of the API process (once per request and step): attribute reads, two views, one tuple
     def _update_sample_logprobs(self, logprobs_lists):
         ids = logprobs_lists[0]
         width = logprobs_lists[1].shape[1]
@@ -159,8 +162,10 @@ def _splitting_update(original):
                 log = BlockLog()
                 setattr(self, _LOG, log)
             if log is not None:
-                log.append(ids[:, width:])
-            logprobs_lists = logprobs_lists._make((ids[:, :width], *logprobs_lists[1:]))
+                blocks = ids[:, width:]
+                log.steps.append(blocks)
+                log.num_rows += blocks.shape[0]
+            logprobs_lists = tuple.__new__(type(logprobs_lists), (ids[:, :width], *logprobs_lists[1:]))
         elif log is not None:
             setattr(self, _LOG, None)  # a token without its support: this completion gets none
         return original(self, logprobs_lists)
@@ -170,19 +175,16 @@ def _splitting_update(original):
 def _attaching_output(original, delta_kind):
     def _new_completion_output(self, token_ids, *args, **kwargs):
         output = original(self, token_ids, *args, **kwargs)
-        processor = self.logprobs_processor
-        log = getattr(processor, _LOG, None) if processor is not None else None
+        log = getattr(self.logprobs_processor, _LOG, None)  # (None has no such attribute either)
         support = None
         if log is not None and log.num_rows:
-            label = f"request {self.request_id}"
             if self.output_kind == delta_kind:
-                sent = getattr(processor, _SENT, 0)
                 new = len(output.token_ids)
-                if sent + new == log.num_rows:
-                    support = LazySupport(log, sent, log.num_rows, label)
-                    setattr(processor, _SENT, sent + new)
+                if log.sent + new == log.num_rows:
+                    support = LazySupport(log, log.sent, log.num_rows, self.request_id)
+                    log.sent = log.num_rows
             elif len(output.token_ids) == log.num_rows:
-                support = LazySupport(log, 0, log.num_rows, label)
+                support = LazySupport(log, 0, log.num_rows, self.request_id)
         setattr(output, FIELD, support)
         return output
     return _new_completion_output
