@@ -20,9 +20,10 @@ core to the API process):
 2. API: a recorded stream (T steps of B requests, one token each, the engine core's per-request lists)
    driven through the plugin's `_update_sample_logprobs` / `_new_completion_output` wrappers on
    vLLM-shaped stand-ins whose own bodies do nothing, against the same stand-ins unwrapped, alternated,
-   medians: wrapped minus unwrapped per token, for a DELTA stream (an output every step, AsyncLLM's
-   streaming) and FINAL_ONLY (`LLM.generate`); then the first read of every completion's support (the
-   lazy decode) per token.
+   medians: wrapped minus unwrapped per token, for DELTA and CUMULATIVE streams (an output every step:
+   AsyncLLM's streaming, verl's rollout server) and FINAL_ONLY (`LLM.generate`, TRL colocate); then the
+   first read of the supports (the lazy decode) per token: every DELTA output, each request's last
+   CUMULATIVE / FINAL_ONLY output.
 Prints one JSON line per figure, then `RESULT {...}`.
 """
 from __future__ import annotations
@@ -102,8 +103,8 @@ def bytes_figures(logits, vocab, rows, setting, classes, g) -> dict:
     without = message_bytes(step_lists(support, sampled, LogprobsTensors, False), EngineCoreOutput,
                             EngineCoreOutputs, encoder)
     csr_min = np.minimum(4 * counts, vocab / 8) + 8
-    listed = counts[(counts <= words)]
-    old_width = words if (counts > words).any() and (counts < vocab).any() else (listed.max() if listed.size else 0)
+    listed = counts[counts <= words]
+    old_width = words if ((counts > words) & (counts < vocab)).any() else (listed.max() if listed.size else 0)
     return {"V": vocab, "B": rows, "sampling": setting, "mean_support": round(float(counts.mean()), 1),
             "wire_bytes_per_token": round((with_b - without) / rows, 1),
             "csr_min_bytes_per_token": round(float(csr_min.mean()), 1),
@@ -137,18 +138,19 @@ def stand_ins():
     return LogprobsProcessor, RequestState
 
 
-def drive(state_cls, stream, rows, final_only) -> tuple[float, list]:
-    """(seconds, the outputs made): DELTA hands each step's new token, FINAL_ONLY all tokens at the end."""
-    states = [state_cls(f"r{r}", "FINAL_ONLY" if final_only else "DELTA") for r in range(rows)]
-    new, everything = [7], [7] * len(stream)
+def drive(state_cls, stream, rows, kind) -> tuple[float, list]:
+    """(seconds, the outputs made): DELTA an output of the new token every step, CUMULATIVE of all tokens so
+    far every step, FINAL_ONLY of all tokens at the end."""
+    states = [state_cls(f"r{r}", kind) for r in range(rows)]
+    new, prefixes = [7], [[7] * (s + 1) for s in range(len(stream))]
     made = []
     t = time.perf_counter()
     for s, step in enumerate(stream):
-        out_now = not final_only or s == len(stream) - 1
+        out_now = kind != "FINAL_ONLY" or s == len(stream) - 1
         for state, lists in zip(states, step):
             state.logprobs_processor._update_sample_logprobs(lists)
             if out_now:
-                made.append(state._new_completion_output(everything if final_only else new, None, None))
+                made.append(state._new_completion_output(new if kind == "DELTA" else prefixes[s], None, None))
     return time.perf_counter() - t, made
 
 
@@ -162,23 +164,24 @@ def api_figures(logits, setting, rows, steps, reps, classes, g) -> dict:
         lists = step_lists(support, drawn(support, g), LogprobsTensors, True)
         stream.append([lists.slice_request(r, 1) for r in range(rows)])
     figures = {}
-    for label, final_only in (("delta_stream", False), ("final_only", True)):
+    for kind in ("DELTA", "CUMULATIVE", "FINAL_ONLY"):
         plain_t, wrapped_t, read_t = [], [], []
         for rep in range(reps):
             for wrapped in ((False, True) if rep % 2 == 0 else (True, False)):
                 processor_cls, state_cls = stand_ins()
                 if wrapped:
                     outputs.install(processor_cls, state_cls, "DELTA")
-                dt, last = drive(state_cls, stream, rows, final_only)
-                if wrapped:
+                dt, made = drive(state_cls, stream, rows, kind)
+                if wrapped:  # the reader: every DELTA output (each holds its own rows), else each request's last
+                    read = made if kind == "DELTA" else made[-rows:]
                     t = time.perf_counter()
-                    for out in last:
+                    for out in read:
                         out.sampling_support.token_ids
                     read_t.append(time.perf_counter() - t)
                     _patching.undo()
                 (wrapped_t if wrapped else plain_t).append(dt)
         tokens = rows * steps
-        figures[label] = {"wrapper_us_per_token": round((statistics.median(wrapped_t) - statistics.median(plain_t))
+        figures[kind] = {"wrapper_us_per_token": round((statistics.median(wrapped_t) - statistics.median(plain_t))
                                                          / tokens * 1e6, 3),
                           "unwrapped_us_per_token": round(statistics.median(plain_t) / tokens * 1e6, 3),
                           "lazy_decode_us_per_token": round(statistics.median(read_t) / tokens * 1e6, 3)}
