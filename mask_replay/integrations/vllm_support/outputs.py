@@ -37,7 +37,8 @@ def install(logprobs_processor_cls, request_state_cls, delta_kind) -> None:
 
 
 def split(logprobs_lists):
-    """(vLLM's own lists, the support blocks or None): the ids past the log-probs' width are blocks."""
+    """(vLLM's own lists, the support blocks or None): the ids past the log-probs' width are blocks (the cut
+    the update wrapper makes, written out there again because it runs once per request and step)."""
     ids = logprobs_lists[0]
     width = logprobs_lists[1].shape[1]
     if ids.shape[1] <= width:
@@ -63,10 +64,6 @@ class BlockLog:
         self._offsets = np.zeros(1, dtype=np.int64)
         self._vocab = None
         self._error = None
-
-    def append(self, blocks: np.ndarray) -> None:
-        self.steps.append(blocks)
-        self.num_rows += blocks.shape[0]
 
     def rows(self, start: int, stop: int, request_id) -> SupportRows:
         """Rows [start, stop) (views of the buffer), decoding whatever came since the last read."""
