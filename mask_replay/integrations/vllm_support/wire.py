@@ -44,8 +44,18 @@ def bitmask_words(vocab_size: int) -> int:
 
 def encode(support: torch.Tensor, sampled: torch.Tensor, greedy: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [B, HEADER + ceil(V / 32)]: the blocks of `support` (bool [B, V], True where the sampler could
-    draw), `greedy` rows (bool [B], or None) replaced by their `sampled` id alone. Static shapes only: no
-    host sync (tests/integrations/vllm_support/test_wire.py traces it under FakeTensorMode)."""
+    draw), `greedy` rows (bool [B], or None) replaced by their `sampled` id alone. On an accelerator
+    `encode_on_device` (static shapes, no host sync); a CPU tensor has no device to wait for, so it takes
+    `encode_on_host` (numpy, one thread: a few array passes instead of some twenty torch kernels, each of
+    which contends for the engine's OpenMP threads). Both give the same tensor."""
+    if support.device.type == "cpu":
+        return encode_on_host(support, sampled, greedy)
+    return encode_on_device(support, sampled, greedy)
+
+
+def encode_on_device(support: torch.Tensor, sampled: torch.Tensor, greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """`encode` with static shapes only: no host sync (tests/integrations/vllm_support/test_wire.py traces it
+    under FakeTensorMode and on the meta device)."""
     rows, vocab = support.shape
     words = bitmask_words(vocab)
     support = support.to(torch.bool)
@@ -63,6 +73,36 @@ def encode(support: torch.Tensor, sampled: torch.Tensor, greedy: torch.Tensor | 
         hi = min(rows, lo + step)
         out[lo:hi, HEADER:] = _payload(support[lo:hi], as_bits[lo:hi], whole[lo:hi], words)
     return out
+
+
+def encode_on_host(support: torch.Tensor, sampled: torch.Tensor, greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """`encode` of CPU tensors in numpy: the ids of listed rows by np.nonzero, bitmask rows by np.packbits."""
+    bits = support.detach().to(torch.bool).numpy()
+    rows, vocab = bits.shape
+    words = bitmask_words(vocab)
+    if greedy is not None:
+        greedy_rows = np.flatnonzero(greedy.detach().to(torch.bool).numpy())
+        if greedy_rows.size:
+            bits = bits.copy()
+            bits[greedy_rows] = False
+            bits[greedy_rows, sampled.detach().numpy().astype(np.int64)[greedy_rows]] = True
+    counts = bits.sum(1)
+    whole = counts == vocab
+    as_bits = (counts > words) & ~whole
+    out = np.full((rows, HEADER + words), -1, dtype=np.int32)
+    out[:, 0] = vocab
+    out[:, 1] = np.where(whole, WHOLE, np.where(as_bits, BITMASK, counts))
+    listed = np.flatnonzero(~as_bits & ~whole & (counts > 0))
+    if listed.size:
+        r, c = np.nonzero(bits[listed])  # row-major: ids ascending within each row
+        n = counts[listed]
+        out[listed[r], HEADER + np.arange(r.size) - np.repeat(np.cumsum(n) - n, n)] = c
+    packed = np.flatnonzero(as_bits)
+    if packed.size:
+        padded = np.zeros((packed.size, 32 * words), dtype=bool)
+        padded[:, :vocab] = bits[packed]
+        out[packed, HEADER:] = np.packbits(padded, axis=1, bitorder="little").view("<i4")
+    return torch.from_numpy(out)
 
 
 def _payload(support: torch.Tensor, as_bits: torch.Tensor, whole: torch.Tensor, words: int) -> torch.Tensor:

@@ -50,11 +50,13 @@ def random_support(vocab, rows, density, seed, with_greedy):
        seed=st.integers(0, 2**31 - 1), with_greedy=st.booleans())
 def test_round_trip_equals_the_reference(vocab, rows, density, seed, with_greedy):
     support, sampled, greedy = random_support(vocab, rows, density, seed, with_greedy)
-    blocks = wire.encode(support, sampled, greedy)
+    blocks = wire.encode_on_device(support, sampled, greedy)
     assert blocks.dtype == torch.int32 and blocks.shape == (rows, wire.HEADER + wire.bitmask_words(vocab))
     expected = reference_rows(support, sampled, greedy)
     assert decoded(blocks) == expected
     assert decoded(narrowed(blocks)) == expected  # the host's column cut never loses an id
+    assert torch.equal(wire.encode_on_host(support, sampled, greedy), blocks)  # the CPU path: the same tensor
+    assert torch.equal(wire.encode(support, sampled, greedy), blocks)
 
 
 def test_each_row_takes_the_smaller_layout_and_the_width_is_fixed():
@@ -89,26 +91,27 @@ def test_payload_width_is_the_widest_row_of_the_step():
 
 def test_large_steps_are_encoded_in_chunks_with_the_same_result(monkeypatch):
     support, sampled, greedy = random_support(300, 23, 0.05, 5, True)
-    whole = wire.encode(support, sampled, greedy)
+    whole = wire.encode_on_device(support, sampled, greedy)
     monkeypatch.setattr(wire, "CHUNK_ELEMENTS", 1000)  # 3 rows a chunk
-    assert torch.equal(wire.encode(support, sampled, greedy), whole)
+    assert torch.equal(wire.encode_on_device(support, sampled, greedy), whole)
 
 
 def test_the_encode_has_no_data_dependent_shape():
     # under FakeTensorMode a host sync (.tolist(), .item(), torch.nonzero, boolean indexing) raises;
     # the encode must trace through it to its fixed shape, on the meta device too
     vocab, rows = 151936, 3
-    with FakeTensorMode():
+    with FakeTensorMode():  # (fake CPU tensors: the device path is called by name; encode sends real ones to numpy)
         support = torch.empty(rows, vocab, dtype=torch.bool)
         with pytest.raises(DataDependentOutputException):
             support.sum(1).max().tolist()  # what the old encode did: the mode does catch it
         with pytest.raises(DynamicOutputShapeException):
             torch.nonzero(support)
-        blocks = wire.encode(support, torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.bool))
+        blocks = wire.encode_on_device(support, torch.empty(rows, dtype=torch.int64),
+                                       torch.empty(rows, dtype=torch.bool))
         assert blocks.shape == (rows, wire.HEADER + 4748) and blocks.dtype == torch.int32
     meta = torch.empty(rows, vocab, dtype=torch.bool, device="meta")
-    blocks = wire.encode(meta, torch.empty(rows, dtype=torch.int64, device="meta"), None)
-    assert blocks.shape == (rows, wire.HEADER + 4748) and blocks.device.type == "meta"
+    blocks = wire.encode(meta, torch.empty(rows, dtype=torch.int64, device="meta"), None)  # not a CPU tensor:
+    assert blocks.shape == (rows, wire.HEADER + 4748) and blocks.device.type == "meta"  # the device path
 
 
 def test_bitmask_words_match_numpy_packbits():
@@ -122,11 +125,14 @@ def test_bitmask_words_match_numpy_packbits():
     assert np.array_equal(words, expected)
 
 
-def test_greedy_rows_are_the_sampled_token_even_outside_the_processed_support():
+@pytest.mark.parametrize("encode", [wire.encode_on_device, wire.encode_on_host])
+def test_greedy_rows_are_the_sampled_token_even_outside_the_processed_support(encode):
     support = torch.zeros(2, 10, dtype=torch.bool)
     support[:, :3] = True
-    blocks = wire.encode(support, torch.tensor([7, 1]), torch.tensor([True, False]))
+    greedy = torch.tensor([True, False])
+    blocks = encode(support, torch.tensor([7, 1]), greedy)
     assert decoded(blocks) == [[7], [0, 1, 2]]
+    assert support[:, :3].all() and not support[:, 3:].any()  # the caller's tensor is not written
 
 
 def test_ties_at_the_cut_and_float32_rounding_rows_stay_exact():
