@@ -34,7 +34,7 @@ def engine_env() -> dict:
     ext = [f for f in os.listdir(os.path.join(ROOT, "build-vllm", "mask_replay")) if f.startswith("_C")]
     env = dict(os.environ, MASK_REPLAY_VLLM_SUPPORT="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1",
                MASK_REPLAY_EXTENSION=os.path.join(ROOT, "build-vllm", "mask_replay", ext[0]))
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = ROOT  # this checkout's mask_replay, not whichever the engine venv installed editable
     return env
 
 

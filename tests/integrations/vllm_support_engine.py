@@ -4,7 +4,9 @@ Run by the engine venv's Python with MASK_REPLAY_VLLM_SUPPORT=1 (the Makefile se
 
 1. exactness: per dtype (float32, bfloat16), one batch mixing top-p only, top-k (ties in bf16), min-p, all
    three, a flat top-p (rows wide enough for the bitmask), no truncation (the whole vocabulary) and greedy
-   requests, each asking for N = V processed log-probs (flat_logprobs) beside the plugin's rows. Every row
+   requests (and top-p with repetition / presence / frequency penalties), each asking for N = V processed
+   log-probs (flat_logprobs) beside the plugin's rows; the blocks must reach the API process cut to each
+   request's own rows (no padded column: narrowing.py, through vLLM's msgpack between processes). Every row
    the plugin returns must equal the ids whose processed log-prob is finite in the same step's N = V
    output, and hold the sampled token; a greedy row is the sampled token alone, whose log-prob must be the top one.
 2. vLLM's machinery (float32, logprobs=0 as TRL asks): stop strings that trim tokens (rows = tokens, and
@@ -25,6 +27,8 @@ import time
 
 import numpy as np
 
+from mask_replay.integrations.vllm_support import wire
+
 MODEL_DIR = os.environ.get("MASK_REPLAY_MODEL_DIR", "/tmp/mask-replay-smollm2")
 V = 49152
 
@@ -37,6 +41,7 @@ MIXES = {
     "flat_top_p": dict(temperature=1.6, top_p=0.99),
     "untruncated": dict(temperature=1.0),
     "greedy": dict(temperature=0.0),
+    "penalties": dict(temperature=1.0, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a land far away,",
            "The three laws of thermodynamics are", "Q: What is 17 * 23?\nA:", "import numpy as np\n",
@@ -52,6 +57,7 @@ class Observer:
 
     def __init__(self, keep_blocks: int = 0):
         self.keep_blocks, self.blocks = keep_blocks, []
+        self.padded_columns = 0  # block columns past what the request's own rows need (the narrowing's job)
 
     def __enter__(self):
         from vllm.v1.engine.logprobs import LogprobsProcessor
@@ -65,6 +71,8 @@ class Observer:
             ids, lps = lists.logprob_token_ids, lists.logprobs
             width = lps.shape[1]
             refs = getattr(proc, "_reference", [])
+            if ids.shape[1] > width + 1:
+                observer.padded_columns += ids.shape[1] - width - 2 - wire.payload_width(ids[:, width:width + 2])
             for r in range(ids.shape[0]):
                 row = np.sort(ids[r, 1:width][np.isfinite(lps[r, 1:width])]).astype(np.int32)
                 # greedy: the sampled token must attain the top log-prob (ties may put another id first)
@@ -94,14 +102,15 @@ def check_exact(llm, tokenizer, dtype: str, tokens_per_request: int, seed0: int)
 
     counts = {"dtype": dtype, "rows": 0, "differing": 0, "sampled_outside": 0, "greedy_not_rank1": 0,
               "no_support": 0, "bitmask_rows": 0, "whole_rows": 0, "widest": 0, "top_k_rows_wider_than_k": 0,
-              "rows_per_kind": {}}
+              "padded_columns": 0, "rows_per_kind": {}}
     for j, text in enumerate(PROMPTS):  # one batch per prompt, every mix in it
         kinds = list(MIXES)
         params = [SamplingParams(**MIXES[k], max_tokens=tokens_per_request, logprobs=V, seed=seed0 + 100 * i + j,
                                  ignore_eos=True) for i, k in enumerate(kinds)]
         prompt = TokensPrompt(prompt_token_ids=tokenizer.encode(text))
-        with Observer():
+        with Observer() as seen:
             outs = llm.generate([prompt] * len(kinds), params, use_tqdm=False)
+        counts["padded_columns"] += seen.padded_columns
         for kind, o in zip(kinds, outs):
             c = o.outputs[0]
             s = c.sampling_support
@@ -240,7 +249,7 @@ def main() -> int:
         report["preemption"] = check_preemption(MODEL_DIR)
     print("REPORT " + json.dumps(report))
     failed = any(e["differing"] or e["sampled_outside"] or e["greedy_not_rank1"] or e["no_support"]
-                 for e in report["exact"])
+                 or e["padded_columns"] for e in report["exact"])
     failed |= bool(report.get("machinery", {}).get("problems")) or bool(report.get("preemption", {}).get("bad"))
     return 1 if failed else 0
 

@@ -92,6 +92,8 @@ def test_recorded_engine_blocks_decode_to_the_engines_own_support():
     kinds = set()
     for r, entry in enumerate(rows):
         block = np.array([entry["blocks"]], dtype=np.int32)
+        # each request's block reached the API cut to its own row (the engine core's narrowing, via msgpack)
+        assert block.shape[1] == wire.HEADER + wire.payload_width(block[:, :wire.HEADER]), r
         (got,) = wire.decode(block)
         expected = list(range(vocab)) if entry["support"] == "all" else entry["support"]
         header = int(block[0, 1])

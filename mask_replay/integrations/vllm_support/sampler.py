@@ -6,7 +6,8 @@ Follows vLLM 0.32.0's V1 runner sampler, `vllm/v1/sample/sampler.py`:
   [B, V] tensor the token was drawn from: after penalties, temperature, min-p, top-k and top-p, -inf
   outside the support. The wrapper keeps it (no copy) with the rows that were sampled greedily.
 - `Sampler.forward(...)` gathers the top-N log-probs into a `LogprobsTensors`; the wrapper appends the
-  support blocks of `wire.encode` to its `logprob_token_ids` (int32), one block per row. Steps where
+  support blocks of `wire.encode` to its `logprob_token_ids` (int32), one fixed-width block per row, on
+  the sampler's device without a host sync (narrowing.py cuts the width after the copy). Steps where
   vLLM returns no such tensor, the whole [B, V] (`logprobs=-1`) or scoring ids (`logprob_token_ids`)
   carry no blocks: the API half then attaches no support to those completions (never a wrong one).
 - `Sampler.__init__` refuses, at engine start-up, a raw log-prob mode and speculative decoding (the

@@ -1,9 +1,11 @@
 """Stand-ins for the vLLM 0.32.0 classes the plugin patches, written from that release's shapes (no vLLM
-needed): `LogprobsTensors` / `LogprobsLists` (vllm/v1/outputs.py: NamedTuples, ids int32 [rows, N + 1]),
+needed): `LogprobsTensors` / `LogprobsLists` (vllm/v1/outputs.py: NamedTuples, ids int32 [rows, N + 1];
+`tolists` to numpy after the device-to-host copy, `slice_request` one request's rows for the scheduler),
 the V1 `Sampler` (vllm/v1/sample/sampler.py: forward -> sample -> gather_logprobs, greedy rows by
 temperature < 1e-5), `LogprobsProcessor` (vllm/v1/engine/logprobs.py: one row per new token) and
 `RequestState._new_completion_output` (vllm/v1/engine/output_processor.py: all tokens, or the new ones in
-DELTA mode). Each fake class is created per test so that patches never leak between tests."""
+DELTA mode). The sampler and output classes are created per test, and the NamedTuples' methods are
+wrapped only inside fixtures that undo it, so that patches never leak between tests."""
 from __future__ import annotations
 
 import enum
@@ -16,18 +18,31 @@ import torch
 SAMPLING_EPS = 1e-5
 
 
-class LogprobsTensors(NamedTuple):
-    logprob_token_ids: torch.Tensor
-    logprobs: torch.Tensor
-    selected_token_ranks: torch.Tensor
-    cu_num_generated_tokens: Optional[list] = None
-
-
 class LogprobsLists(NamedTuple):
     logprob_token_ids: np.ndarray
     logprobs: np.ndarray
     sampled_token_ranks: np.ndarray
     cu_num_generated_tokens: Optional[list] = None
+
+    def slice_request(self, req_idx: int, num_positions: int):
+        if self.cu_num_generated_tokens is not None:
+            req_idx = self.cu_num_generated_tokens[req_idx]
+        end = req_idx + num_positions
+        return LogprobsLists(self.logprob_token_ids[req_idx:end], self.logprobs[req_idx:end],
+                             self.sampled_token_ranks[req_idx:end], None)
+
+
+class LogprobsTensors(NamedTuple):
+    logprob_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    selected_token_ranks: torch.Tensor
+    cu_num_generated_tokens: Optional[list] = None
+    cu_num_generated_tokens_tensor: Optional[torch.Tensor] = None
+
+    def tolists(self, cu_num_generated_tokens=None):
+        cu = self.cu_num_generated_tokens if cu_num_generated_tokens is None else cu_num_generated_tokens
+        return LogprobsLists(self.logprob_token_ids.cpu().numpy(), self.logprobs.cpu().numpy(),
+                             self.selected_token_ranks.cpu().numpy(), cu)
 
 
 @dataclass
@@ -119,8 +134,9 @@ def output_classes():
                 self.logprobs.append(dict(zip(ids.tolist(), lps.tolist())))
 
     class RequestState:
-        def __init__(self, output_kind=OutputKind.FINAL_ONLY):
+        def __init__(self, output_kind=OutputKind.FINAL_ONLY, request_id="req-0"):
             self.output_kind, self.logprobs_processor, self.tokens = output_kind, LogprobsProcessor(), []
+            self.request_id = request_id
 
         def _new_completion_output(self, token_ids, finish_reason, stop_reason):
             delta = self.output_kind == OutputKind.DELTA
