@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64, help="steps of the API stream")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--api-batch", type=int, default=256)
+    ap.add_argument("--parts", default="bytes,api", help="which figures: bytes, api or both")
     args = ap.parse_args()
     from safetensors.torch import load_file
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -208,13 +209,13 @@ def main() -> None:
     narrowing.install(LogprobsTensors, LogprobsLists)
     classes = (LogprobsTensors, EngineCoreOutput, EngineCoreOutputs, MsgpackEncoder(), injection)
     results = {"bytes": [], "api": []}
-    for vocab in (SMALL_V, 151936):
+    for vocab in (SMALL_V, 151936) if "bytes" in args.parts else ():
         for rows in (1, 64, 256):
             for setting in SETTINGS:
                 fig = bytes_figures(logits, vocab, rows, setting, classes, g)
                 results["bytes"].append(fig)
                 print(json.dumps(fig), flush=True)
-    for setting in SETTINGS:
+    for setting in SETTINGS if "api" in args.parts else ():
         fig = api_figures(logits, setting, args.api_batch, args.steps, args.reps, classes, g)
         results["api"].append(fig)
         print(json.dumps(fig), flush=True)

@@ -21,6 +21,7 @@ import pytest
 
 from mask_replay import SamplingMask
 from tests.helpers import restore_ctrl_c
+from tests.integrations.vllm_support_engine import MIXES, PROMPTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -52,7 +53,8 @@ def test_short_exactness_run_passes(model_dir):
     report = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert proc.returncode == 0 and report, proc.stderr[-3000:]
     exact = json.loads(report[0][len("REPORT "):])["exact"]
-    assert all(e["rows"] == 7 * 8 * 6 and e["differing"] == 0 for e in exact)
+    assert all(e["rows"] == len(MIXES) * len(PROMPTS) * 6 and e["differing"] == 0 and e["padded_columns"] == 0
+               for e in exact)
 
 
 @pytest.fixture(scope="module")
