@@ -24,6 +24,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from click.testing import CliRunner
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -262,6 +263,20 @@ def torchrun(nproc: int, *args, timeout: float = 60, env=None, cwd=None) -> subp
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+
+
+def end_distributed_worker() -> None:
+    """A torchrun worker's last call, once every check in it has passed: barrier, destroy the process
+    groups, flush, and leave with os._exit(0) instead of interpreter finalisation. Gloo's worker
+    threads can still hold work objects whose tensors reference Python objects; destroying them while
+    the interpreter is torn down aborts the process ("terminate called without an active exception"),
+    the mechanism described in pytorch/pytorch PR 179291. CI saw it once after both ranks had printed
+    ok, with destroy_process_group already called: the abort is in teardown, not in the code tested."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- score reports: the streamed report against build_report's in-memory one -----------------------

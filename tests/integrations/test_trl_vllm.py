@@ -11,8 +11,7 @@ import torch
 import trl.trainer.grpo_trainer as grpo_module
 
 from mask_replay.errors import EngineOutputError, InputError
-from mask_replay.integrations.trl import vllm_mode
-from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer
+from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer, vllm_mode
 from mask_replay.integrations.vllm_support import wire
 from tests.integrations.trl_helpers import V, grpo_args, prompts, reward_len, tiny_model, tiny_tokenizer
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from mask_replay.integrations.trl import INDEX_KEY, ReplayGRPOTrainer  # noqa: E402
-from tests.helpers import hidden_ref  # noqa: E402
+from tests.helpers import end_distributed_worker, hidden_ref  # noqa: E402
 from tests.integrations.trl_helpers import V, grpo_args, prompts, replayed_batch, reward_len, tiny_model, tiny_tokenizer  # noqa: E402
 
 T = 0.9
@@ -66,8 +66,7 @@ def main() -> None:
     assert [h["step"] for h in steps] == [1, 5], trainer.state.log_history
     assert all(0 < h["replay/kept_mass/mean"] < 1 for h in steps), steps
     print(f"rank {rank}: ok, kept mass {[round(h['replay/kept_mass/mean'], 4) for h in steps]}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()  # explicit teardown, not left to interpreter shutdown (trl_fsdp_worker.py)
+    end_distributed_worker()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from mask_replay import SamplingMask  # noqa: E402
 from mask_replay.integrations.trl import ReplayGRPOTrainer  # noqa: E402
+from tests.helpers import end_distributed_worker  # noqa: E402
 from tests.integrations.trl_helpers import V, tiny_model  # noqa: E402
 
 B, PROMPT, K, T = 2, 3, 4, 0.7
@@ -77,10 +78,7 @@ def main() -> None:
         assert expect.abs().sum() > 0
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     print(f"rank {rank}: ok ({layout})", flush=True)
-    # an explicit teardown: a gloo group left to interpreter shutdown can abort the process at exit
-    # ("terminate called without an active exception", seen once in a full run)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_distributed_worker()
 
 
 if __name__ == "__main__":

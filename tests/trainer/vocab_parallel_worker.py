@@ -19,7 +19,7 @@ from mask_replay.trainer.vocab_parallel import (  # noqa: E402
     replay_logprobs_vocab_parallel,
     replay_logprobs_vocab_parallel_from_hidden,
 )
-from tests.helpers import grads, replay_ref  # noqa: E402
+from tests.helpers import end_distributed_worker, grads, replay_ref  # noqa: E402
 
 
 def shard_bounds(vocab, world, rank, sizes=None):
@@ -139,9 +139,8 @@ def main():
 
     cases += edge_cases(rank, world)
     errors(rank, world)
-    dist.barrier()
     print(f"rank {rank}: {cases} cases ok", flush=True)
-    dist.destroy_process_group()
+    end_distributed_worker()
 
 
 def edge_cases(rank, world):

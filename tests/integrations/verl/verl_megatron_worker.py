@@ -45,6 +45,7 @@ from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 from mask_replay.errors import InputError, OutsideSupportError  # noqa: E402
 from mask_replay.integrations.verl import megatron_engine, trainer  # noqa: E402
 from mask_replay.integrations.verl.support_rows import SUPPORT_KEY  # noqa: E402
+from tests.helpers import end_distributed_worker  # noqa: E402
 from tests.integrations.verl import verl_helpers as h  # noqa: E402
 
 T = 0.8
@@ -281,7 +282,7 @@ def main(mode: str) -> None:
     trainer.uninstall()
     print(f"rank {rank}: ok", flush=True)
     mpu.destroy_model_parallel()
-    dist.destroy_process_group()
+    end_distributed_worker()
 
 
 if __name__ == "__main__":

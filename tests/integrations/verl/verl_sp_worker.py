@@ -20,6 +20,7 @@ from verl.utils.ulysses import set_ulysses_sequence_parallel_group  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 
 from mask_replay.integrations.verl import trainer  # noqa: E402
+from tests.helpers import end_distributed_worker  # noqa: E402
 from tests.integrations.verl import verl_helpers as h  # noqa: E402
 
 T = 0.8
@@ -52,7 +53,7 @@ def main(bucket: int) -> None:
         assert (ref - h.reference(model, mb, T, replay=False)).abs().max() > 0.1
     trainer.uninstall()
     print(f"rank {rank}: ok", flush=True)
-    dist.destroy_process_group()
+    end_distributed_worker()
 
 
 if __name__ == "__main__":
