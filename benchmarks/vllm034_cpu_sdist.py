@@ -8,8 +8,8 @@ with the file and the text otherwise), so a different sdist is refused instead o
   sdist <dir>   requirements without the unreachable pins; the x86 `_C` built without oneDNN (its int8/W8A8 and
                 oneDNN-GEMM ops left out: vLLM's Python checks for them and falls back to torch's GEMM) and with
                 the standalone (no-Triton) MRV2 runner's ops; gcc 12.2 accepted and its ICE avoided; x86 without
-                triton-cpu allowed to use the standalone MRV2 runner; the Rust frontend and the two other x86
-                `_C` variants (not imported on an AVX-512-BF16 CPU) not built.
+                triton-cpu allowed to use the standalone MRV2 runner; the sglang-derived AMX kernels, the Rust
+                frontend and the two other x86 `_C` variants (not imported on an AVX-512-BF16 CPU) not built.
   torch <dir>   the venv's torch (a CUDA build from the registry) configured for a CPU-only extension build:
                 its Caffe2Config's CUDA discovery off and an empty torch::cudart target in its place.
 """
@@ -63,6 +63,26 @@ SDIST_EDITS = [
     # gcc 12.2 internal compiler error on a local constexpr inside a lambda-heavy kernel; static keeps the value
     ("csrc/cpu/sgl-kernels/flash_mla.cpp", "  constexpr int64_t kBLOCK_H_MAX = 16;\n  const int64_t BLOCK_H",
      "  static constexpr int64_t kBLOCK_H_MAX = 16;\n  const int64_t BLOCK_H"),
+    # the sgl-kernels (AMX GEMM / MoE / MLA / quantised kernels from sglang) left out but for conv.cpp, whose
+    # ops are registered outside their block: half of _C's build time on 2 cores, not used by the dense
+    # fp32 / bf16 models run here (bf16 linear then goes to torch, as vLLM does without AMX)
+    ("cmake/cpu_extension.cmake", "        SOURCES ${VLLM_EXT_SRC_AVX512} ${VLLM_EXT_SRC_SGL}\n",
+     '        SOURCES ${VLLM_EXT_SRC_AVX512} "csrc/cpu/sgl-kernels/conv.cpp"\n'),
+    ("csrc/cpu/torch_bindings.cpp", "#include <torch/all.h>\n#include \"ops.h\"",
+     "#include <torch/all.h>\n#define VLLM_NO_SGL_KERNELS 1\n#include \"ops.h\""),
+    ("csrc/cpu/torch_bindings.cpp",
+     "  // sgl-kernels\n#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VNNI__)\n",
+     "  // sgl-kernels\n#if !defined(VLLM_NO_SGL_KERNELS) && defined(__AVX512BF16__) && defined(__AVX512F__) && "
+     "defined(__AVX512VNNI__)\n"),
+    ("csrc/cpu/torch_bindings.cpp",
+     "#if (defined(__AVX512BF16__) && defined(__AVX512F__) && \\\n"
+     "     defined(__AVX512VNNI__)) ||                        \\\n    defined(__riscv)\n",
+     "#if !defined(VLLM_NO_SGL_KERNELS) && ((defined(__AVX512BF16__) && defined(__AVX512F__) && \\\n"
+     "     defined(__AVX512VNNI__)) || defined(__riscv))\n"),
+    ("vllm/model_executor/layers/utils.py",
+     "def check_cpu_sgl_kernel(n: int, k: int, dtype: torch.dtype) -> bool:\n",
+     "def check_cpu_sgl_kernel(n: int, k: int, dtype: torch.dtype) -> bool:\n"
+     "    if not hasattr(torch.ops._C, \"convert_weight_packed\"):\n        return False\n"),
     # x86 without triton-cpu: the standalone MRV2 runner instead of the refusal (its ops are in _C above)
     ("vllm/platforms/cpu.py",
      "        if cls.get_cpu_architecture() == CpuArchEnum.X86 and not HAS_TRITON:\n",
