@@ -235,8 +235,8 @@ def check_native(model: str, tokenizer, dtype: str, tokens_per_request: int) -> 
                 counts["widest"] = max(counts["widest"], int(row.size))
                 counts["differing"] += int(not np.array_equal(row, np.sort(np.asarray(native.token_ids[t]))))
     try:
-        llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=2, logprobs=0),
-                     use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=tokenizer.encode(PROMPTS[0]))],
+                     SamplingParams(temperature=1.0, top_p=0.9, max_tokens=2, logprobs=0), use_tqdm=False)
     except Exception as error:  # vLLM's own refusal (a ValueError subclass in 0.34)
         counts["native_refuses_top_k_0"] = "top_k > 0" in str(error)
     del llm
