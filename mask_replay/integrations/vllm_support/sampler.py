@@ -12,8 +12,8 @@ Follows vLLM 0.32.0's V1 runner sampler, `vllm/v1/sample/sampler.py`:
   carry no blocks: the API half then attaches no support to those completions (never a wrong one).
 - `Sampler.__init__` refuses, at engine start-up, a raw log-prob mode and speculative decoding (the
   rejection sampler draws its tokens outside `sample`).
-Model Runner V2's sampler (`vllm/v1/worker/gpu/sample/sampler.py`) is refused at construction: its
-sampling path is not built here yet (set VLLM_USE_V2_MODEL_RUNNER=0).
+Model Runner V2's sampler is patched in `sampler_v2.py` (vLLM 0.30-0.34); `refuse_v2` refuses it on the
+releases before, whose MRV2 sampler was not read (set VLLM_USE_V2_MODEL_RUNNER=0).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def refuse_v2(sampler_cls) -> None:
     def make(original):
         def __init__(self, *args, **kwargs):
             raise SupportRefused(
-                "mask_replay vLLM support: Model Runner V2's sampler is not supported yet; set "
+                "mask_replay vLLM support: Model Runner V2's sampler is supported from vLLM 0.30; set "
                 "VLLM_USE_V2_MODEL_RUNNER=0 to run the V1 runner, whose sampler it records")
         return __init__
     _patching.wrap(sampler_cls, "__init__", make)
@@ -53,8 +53,9 @@ def _checked_init(original, current_config):
     return __init__
 
 
-def check_engine(logprobs_mode: str, vllm_config) -> None:
-    """The start-up refusals: one line naming the setting and the fix."""
+def check_engine(logprobs_mode: str, vllm_config, custom_processors=()) -> None:
+    """The start-up refusals: one line naming the setting and the fix. `custom_processors`: the instances
+    an MRV2 sampler was given (config and entry points); V1 reads the config's `logits_processors`."""
     if logprobs_mode not in PROCESSED_MODES:
         raise SupportRefused(
             f"mask_replay vLLM support: logprobs_mode={logprobs_mode!r} hides the support the sampler drew "
@@ -64,6 +65,15 @@ def check_engine(logprobs_mode: str, vllm_config) -> None:
         raise SupportRefused(
             "mask_replay vLLM support: speculative decoding draws tokens in the rejection sampler, which "
             "this plugin does not record; run without speculative_config")
+    model_config = getattr(vllm_config, "model_config", None)
+    names = [type(p).__name__ for p in custom_processors] + [
+        p if isinstance(p, str) else getattr(p, "__name__", repr(p))
+        for p in (getattr(model_config, "logits_processors", None) or ())]
+    if names:
+        raise SupportRefused(
+            f"mask_replay vLLM support: custom logits processors ({', '.join(sorted(set(names)))}) may change "
+            "relative probabilities, which replay over the support cannot reproduce; start the engine without "
+            "logits_processors (--logits-processors) and without vllm.logits_processors plugins")
 
 
 def greedy_rows(sampling_metadata, rows: int, sampling_eps: float):
