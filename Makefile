@@ -33,7 +33,10 @@
 #                  (VERL_VLLM_OVERLAY)   --no-deps, pip --target for
 #                                        .venv-vllm's python
 #        not measured (on top of venv-vllm)
-#   venv-vllm-034  (being added: the vLLM 0.34 CPU build)
+#   venv-vllm-034  .venv-vllm-034        vLLM 0.34.0's registry sdist, built  build-vllm-  check-vllm-support VLLM=034
+#                  (VLLM034_VENV)        for this CPU (vllm034_cpu_sdist.py   034/         bench-vllm-support VLLM=034
+#                                        edits), torch 2.14.1, -model
+#        about 31 min in all (MAX_JOBS=2, load 5-7, over a build restarted twice), 7.5 GB
 #   (verl + vllm)  (being added: one venv holding both verl and vllm)
 #
 # model-export (the SmolLM2 export the engine checks read) runs in the main venv: check-vllm-support,
@@ -175,7 +178,7 @@ build-vllm/.built: $(VLLM_VENV)/.installed $(shell find csrc -name '*.cpp' -o -n
 venv-vllm: build-vllm/.built
 
 # make venv-vllm-034  vLLM 0.34.0 (Model Runner V2 only) built for this CPU from its registry sdist into
-#                  VLLM034_VENV (not in CI: ~20 min at MAX_JOBS=2, several GB), mask_replay's extension for its torch
+#                  VLLM034_VENV (not in CI: about 31 min at MAX_JOBS=2, 7.5 GB), mask_replay's extension for its torch
 #                  in build-vllm-034/. vLLM has no x86 CPU wheel of 0.34 on the registry, and its sdist as released
 #                  does not build here: benchmarks/vllm034_cpu_sdist.py edits the freshly unpacked copy (requirement
 #                  pins that are not on the registry, the x86 `_C` without the GitHub-fetched oneDNN and with the
@@ -207,10 +210,10 @@ $(VLLM034_VENV)/.vllm: $(VLLM034_VENV)/.torch $(VLLM034_SDIST) benchmarks/vllm03
 	$(VLLM034_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 $(VLLM034_VENV)/.installed: $(VLLM034_VENV)/.vllm setup.py pyproject.toml
-	MASK_REPLAY_SKIP_EXT=1 $(VLLM034_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(call install-metadata,$(VLLM034_PY))
 	touch $@
 build-vllm-034/.built: $(VLLM034_VENV)/.installed $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
-	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(VLLM034_PY) setup.py -q build_ext --build-lib build-vllm-034 --build-temp build-vllm-034/obj
+	$(call build-ext-into,$(VLLM034_PY),build-vllm-034)
 	touch $@
 venv-vllm-034: build-vllm-034/.built
 
