@@ -1,0 +1,88 @@
+"""Driver side of the verl drop-in: the switch reaches every Ray worker, and a run without supports stops at start-up.
+
+Follows the released verl 0.9.1 files:
+- verl/trainer/constants_ppo.py ``get_ppo_ray_runtime_env(config)`` (wrapped): main_ppo's ``run_ppo`` calls it
+  once, in the user's process, before ``ray.init`` and merges the result under ``ray_kwargs.ray_init.runtime_env``.
+  The wrapper first runs the rollout config's start-up checks (rollout.check_rollout_config: a rollout other
+  than vLLM is refused here, before Ray starts), then adds ``MASK_REPLAY_VERL`` (and ``VERL_PLATFORM`` where set)
+  to the runtime env's ``env_vars``: Ray sets those in every worker of the job on every node, where a variable of
+  the launching shell reaches only the workers of a cluster this process starts itself. An explicit
+  ``MASK_REPLAY_VERL`` in ``ray_kwargs.ray_init.runtime_env.env_vars`` still wins (verl merges the user's on
+  top); the batch check below catches a worker that ends up without it.
+- verl/trainer/ppo/ray_trainer.py ``RayPPOTrainer._compute_old_log_prob(batch)`` (wrapped): ``fit`` calls it on
+  each step's batch (rollout, rewards united) before verl's own log-prob pass. The wrapper checks that every
+  response token has a recorded support row (batch_check.check_batch_supports) and raises one InputError naming
+  MASK_REPLAY_VERL otherwise, so a run whose rollout workers did not record (variable missing, plugin not loaded
+  in the rollout actor, a rollout that is not verl's vLLM server) stops at its first step, before any update.
+
+plugin.py installs these with ``MASK_REPLAY_VERL=1`` by post-import hooks. Only verl's legacy trainer
+(``trainer.use_v1=False``, RayPPOTrainer) is covered: verl 0.9.1's default v1 trainer needs TransferQueue.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+try:  # verl is an optional dependency: make venv-verl
+    import verl  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised only without verl
+    raise ImportError("mask_replay.integrations.verl.driver needs verl 0.9.1: make venv-verl") from exc
+
+from mask_replay.integrations.verl import rollout as verl_rollout
+from mask_replay.integrations.verl.batch_check import check_batch_supports, response_lengths
+from mask_replay.integrations.verl.plugin import PLATFORM_SWITCH, SWITCH
+
+__all__ = ["install_runtime_env", "install_trainer_check", "uninstall", "FORWARDED"]
+
+FORWARDED = (SWITCH, PLATFORM_SWITCH)  # set in the driver: forwarded to every Ray worker
+_ORIGINALS: dict[Any, dict[str, Any]] = {}
+
+
+def install_runtime_env(constants_ppo) -> None:
+    """Wrap ``constants_ppo.get_ppo_ray_runtime_env`` (idempotent)."""
+    verl_rollout.check_version()
+    originals = _ORIGINALS.setdefault(constants_ppo, {})
+    if "get_ppo_ray_runtime_env" in originals:
+        return
+    original = originals["get_ppo_ray_runtime_env"] = constants_ppo.get_ppo_ray_runtime_env
+
+    @functools.wraps(original)
+    def get_ppo_ray_runtime_env(config=None):
+        if config is not None:
+            verl_rollout.check_rollout_config(config.actor_rollout_ref.rollout)
+        runtime_env = original(config)
+        env_vars = runtime_env.setdefault("env_vars", {})
+        for name in FORWARDED:
+            if os.environ.get(name) is not None:
+                env_vars[name] = os.environ[name]
+        return runtime_env
+
+    constants_ppo.get_ppo_ray_runtime_env = get_ppo_ray_runtime_env
+
+
+def install_trainer_check(ray_trainer) -> None:
+    """Wrap ``ray_trainer.RayPPOTrainer._compute_old_log_prob`` (idempotent)."""
+    verl_rollout.check_version()
+    cls = ray_trainer.RayPPOTrainer
+    originals = _ORIGINALS.setdefault(cls, {})
+    if "_compute_old_log_prob" in originals:
+        return
+    original = originals["_compute_old_log_prob"] = cls.__dict__["_compute_old_log_prob"]
+
+    @functools.wraps(original)
+    def _compute_old_log_prob(self, batch, *args, **kwargs):
+        prompt_length = batch.batch["prompts"].shape[-1]
+        check_batch_supports(batch.non_tensor_batch,
+                             response_lengths(batch.batch["attention_mask"].cpu().numpy(), prompt_length))
+        return original(self, batch, *args, **kwargs)
+
+    cls._compute_old_log_prob = _compute_old_log_prob
+
+
+def uninstall() -> None:
+    """Put verl's own functions back."""
+    for owner, originals in list(_ORIGINALS.items()):
+        for name, original in originals.items():
+            setattr(owner, name, original)
+        del _ORIGINALS[owner]
