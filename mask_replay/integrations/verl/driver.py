@@ -36,16 +36,20 @@ from mask_replay.integrations.verl.plugin import PLATFORM_SWITCH, SWITCH
 __all__ = ["install_runtime_env", "install_trainer_check", "uninstall", "FORWARDED"]
 
 FORWARDED = (SWITCH, PLATFORM_SWITCH)  # set in the driver: forwarded to every Ray worker
-_ORIGINALS: dict[Any, dict[str, Any]] = {}
+_ORIGINALS: list[tuple[Any, str, Any]] = []  # (owner, attribute, verl's own value), in install order
+
+
+def _installed(owner, name: str) -> bool:
+    return any(o is owner and n == name for o, n, _ in _ORIGINALS)
 
 
 def install_runtime_env(constants_ppo) -> None:
     """Wrap ``constants_ppo.get_ppo_ray_runtime_env`` (idempotent)."""
     verl_rollout.check_version()
-    originals = _ORIGINALS.setdefault(constants_ppo, {})
-    if "get_ppo_ray_runtime_env" in originals:
+    if _installed(constants_ppo, "get_ppo_ray_runtime_env"):
         return
-    original = originals["get_ppo_ray_runtime_env"] = constants_ppo.get_ppo_ray_runtime_env
+    original = constants_ppo.get_ppo_ray_runtime_env
+    _ORIGINALS.append((constants_ppo, "get_ppo_ray_runtime_env", original))
 
     @functools.wraps(original)
     def get_ppo_ray_runtime_env(config=None):
@@ -65,10 +69,10 @@ def install_trainer_check(ray_trainer) -> None:
     """Wrap ``ray_trainer.RayPPOTrainer._compute_old_log_prob`` (idempotent)."""
     verl_rollout.check_version()
     cls = ray_trainer.RayPPOTrainer
-    originals = _ORIGINALS.setdefault(cls, {})
-    if "_compute_old_log_prob" in originals:
+    if _installed(cls, "_compute_old_log_prob"):
         return
-    original = originals["_compute_old_log_prob"] = cls.__dict__["_compute_old_log_prob"]
+    original = cls.__dict__["_compute_old_log_prob"]
+    _ORIGINALS.append((cls, "_compute_old_log_prob", original))
 
     @functools.wraps(original)
     def _compute_old_log_prob(self, batch, *args, **kwargs):
@@ -82,7 +86,6 @@ def install_trainer_check(ray_trainer) -> None:
 
 def uninstall() -> None:
     """Put verl's own functions back."""
-    for owner, originals in list(_ORIGINALS.items()):
-        for name, original in originals.items():
-            setattr(owner, name, original)
-        del _ORIGINALS[owner]
+    while _ORIGINALS:
+        owner, name, original = _ORIGINALS.pop()
+        setattr(owner, name, original)
