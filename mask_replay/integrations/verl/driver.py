@@ -31,11 +31,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without verl
 
 from mask_replay.integrations.verl import rollout as verl_rollout
 from mask_replay.integrations.verl.batch_check import check_batch_supports, response_lengths
-from mask_replay.integrations.verl.plugin import PLATFORM_SWITCH, SWITCH
 
-__all__ = ["install_runtime_env", "install_trainer_check", "uninstall", "FORWARDED"]
+__all__ = ["install_runtime_env", "install_trainer_check", "uninstall"]
 
-FORWARDED = (SWITCH, PLATFORM_SWITCH)  # set in the driver: forwarded to every Ray worker
 _ORIGINALS: list[tuple[Any, str, Any]] = []  # (owner, attribute, verl's own value), in install order
 
 
@@ -43,8 +41,9 @@ def _installed(owner, name: str) -> bool:
     return any(o is owner and n == name for o, n, _ in _ORIGINALS)
 
 
-def install_runtime_env(constants_ppo) -> None:
-    """Wrap ``constants_ppo.get_ppo_ray_runtime_env`` (idempotent)."""
+def install_runtime_env(constants_ppo, forward=()) -> None:
+    """Wrap ``constants_ppo.get_ppo_ray_runtime_env`` (idempotent); ``forward``: the variables that, set in the
+    driver, go to every Ray worker (plugin.py passes its switches: plugin.py imports this module, not back)."""
     verl_rollout.check_version()
     if _installed(constants_ppo, "get_ppo_ray_runtime_env"):
         return
@@ -57,7 +56,7 @@ def install_runtime_env(constants_ppo) -> None:
             verl_rollout.check_rollout_config(config.actor_rollout_ref.rollout)
         runtime_env = original(config)
         env_vars = runtime_env.setdefault("env_vars", {})
-        for name in FORWARDED:
+        for name in forward:
             if os.environ.get(name) is not None:
                 env_vars[name] = os.environ[name]
         return runtime_env

@@ -95,7 +95,7 @@ if enabled():
         HOOKS = {VLLM_SERVER: lambda module: verl_rollout.install(module.vLLMHttpServer),
                  LLM_SERVER: verl_rollout.install_client,
                  AGENT_LOOP: verl_agent_loop.install,
-                 CONSTANTS_PPO: verl_driver.install_runtime_env,
+                 CONSTANTS_PPO: lambda module: verl_driver.install_runtime_env(module, (SWITCH, PLATFORM_SWITCH)),
                  RAY_TRAINER: verl_driver.install_trainer_check}
         for _name, _hook in HOOKS.items():
             wrapt.register_post_import_hook(_hook, _name)

@@ -27,7 +27,7 @@ def rollout_config(name="vllm"):
 @pytest.fixture
 def constants_ppo():
     module = SimpleNamespace(get_ppo_ray_runtime_env=lambda config=None: {"env_vars": {"NCCL_DEBUG": "WARN"}})
-    driver.install_runtime_env(module)
+    driver.install_runtime_env(module, ("MASK_REPLAY_VERL", "VERL_PLATFORM"))
     yield module
     driver.uninstall()
 
