@@ -80,7 +80,8 @@ def overrides(args, setting: str) -> list:
         f"actor_rollout_ref.rollout.response_length={args.max_new_tokens}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.enforce_eager=True",
-        "actor_rollout_ref.rollout.free_cache_engine=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",  # vLLM sleep mode: CUDA only
+        # vLLM's sleep mode (freeing the engine's memory between rollouts) is CUDA-only
+        "actor_rollout_ref.rollout.free_cache_engine=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
         "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.max_model_len=128", "actor_rollout_ref.rollout.max_num_batched_tokens=1024",
         "actor_rollout_ref.rollout.max_num_seqs=16",

@@ -1,4 +1,4 @@
-"""The reward of `make experiment-verl-e2e`, passed to verl as reward.custom_reward_function (verl's reward loop runs it).
+"""The reward of `make experiment-verl-e2e`: verl's reward.custom_reward_function (verl's reward loop runs it).
 
 The seed task's score (mask_replay/tools/experiment_task.py: reward): partial credit, so that GRPO's group
 advantages are not all zero at 16-32 new tokens (verl's GSM8K scorer needs a "#### N" line a 135M model

@@ -45,7 +45,8 @@ def main(out: str) -> int:
         for setting, records in runs.items():
             if i < len(records):
                 data = records[i]["data"]
-                print(f"| {records[i]['step']} | {setting} | " + " | ".join(cell(data, *c[::2]) for c in COLUMNS) + " |")
+                cells = " | ".join(cell(data, key, fmt) for key, _, fmt in COLUMNS)
+                print(f"| {records[i]['step']} | {setting} | {cells} |")
     failures = [f"{s}: no step logged" for s, v in runs.items() if not v]
     for record in runs["on"]:
         d = record["data"]
