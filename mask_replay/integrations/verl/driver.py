@@ -7,8 +7,9 @@ Follows the released verl 0.9.1 files:
   than vLLM is refused here, before Ray starts), then adds ``MASK_REPLAY_VERL`` (and ``VERL_PLATFORM`` where set)
   to the runtime env's ``env_vars``: Ray sets those in every worker of the job on every node, where a variable of
   the launching shell reaches only the workers of a cluster this process starts itself. An explicit
-  ``MASK_REPLAY_VERL`` in ``ray_kwargs.ray_init.runtime_env.env_vars`` still wins (verl merges the user's on
-  top); the batch check below catches a worker that ends up without it.
+  ``MASK_REPLAY_VERL`` in ``ray_kwargs.ray_init.runtime_env.env_vars`` would win (verl merges the user's on
+  top): one that differs from the driver's is refused here; the batch check below catches a worker that
+  ends up without the switch anyway (another cluster's raylet environment, a node without mask-replay).
 - verl/trainer/ppo/ray_trainer.py ``RayPPOTrainer._compute_old_log_prob(batch)`` (wrapped): ``fit`` calls it on
   each step's batch (rollout, rewards united) before verl's own log-prob pass. The wrapper checks that every
   response token has a recorded support row (batch_check.check_batch_supports) and raises one InputError naming
@@ -26,9 +27,11 @@ from typing import Any
 
 try:  # verl is an optional dependency: make venv-verl
     import verl  # noqa: F401
+    from omegaconf import OmegaConf  # verl's config library
 except ImportError as exc:  # pragma: no cover - exercised only without verl
     raise ImportError("mask_replay.integrations.verl.driver needs verl 0.9.1: make venv-verl") from exc
 
+from mask_replay.errors import InputError
 from mask_replay.integrations.verl import rollout as verl_rollout
 from mask_replay.integrations.verl.batch_check import check_batch_supports, response_lengths
 
@@ -54,6 +57,7 @@ def install_runtime_env(constants_ppo, forward=()) -> None:
     def get_ppo_ray_runtime_env(config=None):
         if config is not None:
             verl_rollout.check_rollout_config(config.actor_rollout_ref.rollout)
+            _check_user_env_vars(config, forward)
         runtime_env = original(config)
         env_vars = runtime_env.setdefault("env_vars", {})
         for name in forward:
@@ -62,6 +66,18 @@ def install_runtime_env(constants_ppo, forward=()) -> None:
         return runtime_env
 
     constants_ppo.get_ppo_ray_runtime_env = get_ppo_ray_runtime_env
+
+
+def _check_user_env_vars(config, forward) -> None:
+    """verl merges ``ray_kwargs.ray_init.runtime_env`` over the runtime env built here: a forwarded variable set
+    there to another value than the driver's would reach the workers instead (workers without replay)."""
+    env_vars = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars", default=None) or {}
+    for name in forward:
+        if name in env_vars and os.environ.get(name) is not None and str(env_vars[name]) != os.environ[name]:
+            raise InputError(f"{name}={os.environ[name]} in main_ppo's environment but {env_vars[name]!r} for the "
+                             "Ray workers: the workers would not run what the driver does",
+                             key=f"ray_kwargs.ray_init.runtime_env.env_vars.{name}",
+                             hint=f"drop that override (main_ppo forwards {name} to every worker)")
 
 
 def install_trainer_check(ray_trainer) -> None:

@@ -46,6 +46,15 @@ def test_a_rollout_that_is_not_vllm_is_refused_before_ray_starts(constants_ppo, 
     assert e.value.key == "actor_rollout_ref.rollout.name"
 
 
+def test_workers_overridden_to_another_setting_are_refused(constants_ppo, monkeypatch):
+    monkeypatch.setenv("MASK_REPLAY_VERL", "1")
+    config = rollout_config()
+    config.ray_kwargs = {"ray_init": {"runtime_env": {"env_vars": {"MASK_REPLAY_VERL": "0"}}}}
+    with pytest.raises(InputError, match="MASK_REPLAY_VERL=1 in main_ppo's environment but '0' for the Ray") as e:
+        constants_ppo.get_ppo_ray_runtime_env(config)
+    assert e.value.key == "ray_kwargs.ray_init.runtime_env.env_vars.MASK_REPLAY_VERL"
+
+
 def test_uninstall_puts_verls_function_back(constants_ppo):
     wrapped = constants_ppo.get_ppo_ray_runtime_env
     driver.uninstall()
