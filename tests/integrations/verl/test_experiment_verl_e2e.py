@@ -15,7 +15,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 E2E_PY = os.environ.get("MASK_REPLAY_VERL_E2E_PYTHON", os.path.join(ROOT, ".venv-verl-e2e", "bin", "python"))
 MODEL_DIR = os.environ.get("MASK_REPLAY_MODEL_DIR", "/tmp/mask-replay-smollm2")
-EXTENSIONS = glob.glob(os.path.join(ROOT, "build-verl-e2e", "mask_replay", "_C*.so")) + \
+# MASK_REPLAY_VERL_E2E_EXTENSION: an extension built elsewhere for the same torch (a worktree without build dirs)
+EXTENSIONS = glob.glob(os.environ.get("MASK_REPLAY_VERL_E2E_EXTENSION", "/nonexistent")) + \
+    glob.glob(os.path.join(ROOT, "build-verl-e2e", "mask_replay", "_C*.so")) + \
     glob.glob(os.path.join(ROOT, "build-vllm", "mask_replay", "_C*.so"))  # the same torch 2.13.0+cpu
 
 pytestmark = [pytest.mark.slow,
