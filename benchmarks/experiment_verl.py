@@ -23,7 +23,7 @@ a real run. Per step, what verl's RayPPOTrainer.fit does, with verl's own code w
 Not verl's code (stand-ins): Ray (the worker runs in this process: its methods are called directly, not
 through a RayWorkerGroup), the rollout server (vLLM's offline LLM in a subprocess instead of verl's
 vLLMHttpServer + agent loop + checkpoint-engine weight sync: verl 0.9.1's server needs vllm 0.24 in verl's
-venv), a CPU platform for verl (benchmarks/verl_cpu_platform.py; verl 0.9.1 has none) and the engine's
+venv), a CPU platform for verl (mask_replay/integrations/verl/cpu_platform.py; verl 0.9.1 has none) and the engine's
 registration for device 'cpu'. Writes OUT/<setting>.json (per-step metrics).
 """
 from __future__ import annotations
@@ -49,9 +49,11 @@ os.environ.setdefault("MASTER_PORT", "29541")
 for _k, _v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
     os.environ.setdefault(_k, _v)
 
-from verl_cpu_platform import use_cpu_platform  # noqa: E402
+from verl.plugin.platform.platform_manager import set_platform  # noqa: E402
 
-use_cpu_platform()  # before verl's engine modules read the device at import
+from mask_replay.integrations.verl.cpu_platform import CpuPlatform  # noqa: E402
+
+set_platform(CpuPlatform())  # before verl's engine modules read the device at import
 
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402

@@ -14,6 +14,14 @@ that module is imported:
   client's support collection and the driver's start-up check of the rollout config.
 - verl.experimental.agent_loop.agent_loop (agent-loop workers): agent_loop.install(), one support row
   per response token across the turns of a sample.
+- verl.trainer.constants_ppo (main_ppo's own process) and verl.trainer.ppo.ray_trainer (the trainer's
+  driver, verl's TaskRunner actor): driver.py, the switch forwarded to every Ray worker in main_ppo's
+  runtime env, the rollout config checked before Ray starts, and each batch checked for a support row
+  per response token before verl's first log-prob pass (a worker that did not record stops the run there).
+
+Independent of the switch, ``VERL_PLATFORM=cpu`` (verl's own platform override) registers mask-replay's
+CPU platform (cpu_platform.py) in verl's platform registry and verl's FSDP engines for device "cpu", so
+that verl runs on a machine without an accelerator (make experiment-verl-e2e).
 
 The Megatron engine's replay (megatron_engine.install()) installs with the trainer side where verl's
 engine registry (imported by trainer.py) has imported verl's Megatron engine, i.e. where megatron-core
@@ -32,11 +40,19 @@ import sys
 __all__ = ["SWITCH", "enabled"]
 
 SWITCH = "MASK_REPLAY_VERL"
+PLATFORM_SWITCH = "VERL_PLATFORM"  # verl's own; "cpu" selects cpu_platform.CpuPlatform
 _ON, _OFF = ("1",), ("", "0")
 VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 LLM_SERVER = "verl.workers.rollout.llm_server"
 AGENT_LOOP = "verl.experimental.agent_loop.agent_loop"
 MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
+FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
+CONSTANTS_PPO = "verl.trainer.constants_ppo"
+RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
+
+
+def cpu_platform_requested() -> bool:
+    return os.environ.get(PLATFORM_SWITCH, "").strip().lower() == "cpu"
 
 
 def enabled() -> bool:
@@ -49,6 +65,23 @@ def enabled() -> bool:
 _LOG = logging.getLogger(__name__)
 
 
+if cpu_platform_requested():
+    try:
+        # wrapt (the [verl] extra): the engines register for "cpu" right after verl's FSDP engine module loads
+        import wrapt
+
+        import mask_replay.integrations.verl.cpu_platform as verl_cpu_platform
+
+        wrapt.register_post_import_hook(verl_cpu_platform.register_engines, FSDP_ENGINE)
+        wrapt.register_post_import_hook(verl_cpu_platform.install_distributed, verl_cpu_platform.DISTRIBUTED_MODULE)
+        # only where vLLM itself is imported (the rollout server's processes): the hook never imports it
+        wrapt.register_post_import_hook(verl_cpu_platform.install_vllm_live_weights,
+                                        verl_cpu_platform.VLLM_LAYER_UTILS_MODULE)
+    except Exception:
+        _LOG.exception("mask_replay: %s=cpu but mask-replay's CPU platform for verl did not register", PLATFORM_SWITCH)
+        raise
+
+
 # Conditional on the switch: trainer.py imports verl's FSDP engine, which an off run must neither pay for
 # nor be touched by (rollout.py and agent_loop.py import verl's modules only when their hooks hand them
 # over). verl swallows a plugin's load errors, so a failed install is logged here as well.
@@ -58,12 +91,15 @@ if enabled():
         import wrapt
 
         import mask_replay.integrations.verl.agent_loop as verl_agent_loop
+        import mask_replay.integrations.verl.driver as verl_driver
         import mask_replay.integrations.verl.rollout as verl_rollout
         import mask_replay.integrations.verl.trainer as verl_trainer
 
         HOOKS = {VLLM_SERVER: lambda module: verl_rollout.install(module.vLLMHttpServer),
                  LLM_SERVER: verl_rollout.install_client,
-                 AGENT_LOOP: verl_agent_loop.install}
+                 AGENT_LOOP: verl_agent_loop.install,
+                 CONSTANTS_PPO: lambda module: verl_driver.install_runtime_env(module, (SWITCH, PLATFORM_SWITCH)),
+                 RAY_TRAINER: verl_driver.install_trainer_check}
         for _name, _hook in HOOKS.items():
             wrapt.register_post_import_hook(_hook, _name)
         verl_trainer.install()
