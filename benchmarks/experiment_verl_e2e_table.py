@@ -59,11 +59,11 @@ def main(out: str) -> int:
             failures.append(f"off, step {record['step']}: rollout_is_mean {d.get('rollout_corr/rollout_is_mean')} "
                             "shows no kept mass")
     for line in failures:
-        print("verl_e2e_table:", line, file=sys.stderr)
+        print("experiment_verl_e2e_table:", line, file=sys.stderr)
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: verl_e2e_table.py OUT")
+        sys.exit("usage: experiment_verl_e2e_table.py OUT")
     sys.exit(main(sys.argv[1]))

