@@ -3,9 +3,9 @@
 Follows vLLM 0.32.0, `vllm/v1/engine/logprobs.py` and `vllm/v1/engine/output_processor.py`:
 - `LogprobsProcessor._update_sample_logprobs(logprobs_lists)` receives one request's new rows (numpy,
   already cut to the tokens kept after a stop string by `_trim_surplus_tokens`). Where the ids are wider
-  than the log-probs, the extra columns are the sampler half's blocks: the wrapper appends them (a view)
-  to the request's `BlockLog` kept on the processor and hands vLLM a view of the ids it always saw. O(1)
-  Python per request and step: nothing is decoded here.
+  than the log-probs, the extra columns are the sampler half's blocks: the wrapper appends the ids (as
+  they came, with the log-probs' width) to the request's `BlockLog` kept on the processor and hands vLLM a
+  view of the ids it always saw. O(1) Python per request and step: nothing is cut or decoded here.
 - `RequestState._new_completion_output(token_ids, ...)` builds the `CompletionOutput`; the wrapper sets
   its `sampling_support` to a `LazySupport` of the rows of `token_ids` (all of them, or in DELTA streaming
   the new ones, as vLLM slices the log-probs): an O(1) object with SupportRows' fields that decodes the
@@ -19,6 +19,8 @@ The step's arrays are kept as views until read: vLLM allocates them per step (th
 device-to-host copy, msgpack's per-message buffers; Ray's read-only ones it copies itself).
 """
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 
@@ -47,16 +49,19 @@ def split(logprobs_lists):
 
 
 class BlockLog:
-    """One request's blocks as they came, a [rows, columns] int32 view per step (columns differ between
-    steps: each is cut to its own widest row), decoded on demand into one growing CSR buffer.
+    """One request's blocks as they came, decoded on demand into one growing CSR buffer. `steps` holds each
+    step's whole int32 [rows, columns] id array (a view, as vLLM handed it) and `skips` the log-probs' width
+    in it: the columns past it are the blocks (columns differ between steps: each is cut to its own widest
+    row). The cut is made at decode time, once per request, not in vLLM's output loop.
 
     Appending never changes what an earlier read handed out: decoded rows are written past the filled
     part, and growing moves to new arrays while old views keep the old ones."""
 
-    __slots__ = ("steps", "num_rows", "sent", "_decoded", "_ids", "_offsets", "_vocab", "_error")
+    __slots__ = ("steps", "skips", "num_rows", "sent", "_decoded", "_ids", "_offsets", "_vocab", "_error")
 
     def __init__(self):
         self.steps: list[np.ndarray] = []  # not yet decoded (appended by the update wrapper itself)
+        self.skips: list[int] = []
         self.num_rows = 0  # rows appended
         self.sent = 0  # rows handed out in DELTA outputs
         self._decoded = 0
@@ -76,10 +81,11 @@ class BlockLog:
     def _decode(self, label: str) -> None:
         if self._error is not None:
             raise EngineOutputError(self._error)
-        steps, self.steps = self.steps, []
-        values = np.concatenate([s.ravel() for s in steps]).astype(np.int32, copy=False)
-        widths = np.repeat(np.array([s.shape[1] for s in steps], dtype=np.int64),
-                           [s.shape[0] for s in steps])
+        steps, skips, self.steps, self.skips = self.steps, self.skips, [], []
+        blocks = [s[:, skip:] for s, skip in zip(steps, skips)]
+        values = np.concatenate([b.ravel() for b in blocks]).astype(np.int32, copy=False)
+        widths = np.repeat(np.array([b.shape[1] for b in blocks], dtype=np.int64),
+                           [b.shape[0] for b in blocks])
         starts = np.cumsum(widths) - widths
         try:
             new = wire.decode_flat(values, starts, widths)
@@ -149,39 +155,59 @@ class LazySupport:
 
 
 def _splitting_update(original):
-    # the hot path of the API process (once per request and step): attribute reads, two views, one tuple
+    # The hot path of the API process, once per request and step (issue 44: <= 1 us a token at B = 256):
+    # one unpack, two shape reads, one view, one tuple, three appends; names bound here, not looked up as
+    # globals. The blocks are cut off the ids at decode time.
+    make_lists, key, missing, new_log = tuple.__new__, _LOG, _MISSING, BlockLog
+
     def _update_sample_logprobs(self, logprobs_lists):
-        ids = logprobs_lists[0]
-        width = logprobs_lists[1].shape[1]
-        log = getattr(self, _LOG, _MISSING)
-        if ids.shape[1] > width:
-            if log is _MISSING:
-                log = BlockLog()
-                setattr(self, _LOG, log)
+        ids, logprobs, ranks, cu = logprobs_lists  # LogprobsLists' four fields (vLLM unpacks them so too)
+        rows, columns = ids.shape
+        width = logprobs.shape[1]
+        if columns > width:
+            log = getattr(self, key, missing)
+            if log is missing:
+                log = new_log()
+                setattr(self, key, log)
             if log is not None:
-                blocks = ids[:, width:]
-                log.steps.append(blocks)
-                log.num_rows += blocks.shape[0]
-            logprobs_lists = tuple.__new__(type(logprobs_lists), (ids[:, :width], *logprobs_lists[1:]))
-        elif log is not None:
-            setattr(self, _LOG, None)  # a token without its support: this completion gets none
+                log.steps.append(ids)
+                log.skips.append(width)
+                log.num_rows += rows
+            logprobs_lists = make_lists(type(logprobs_lists), (ids[:, :width], logprobs, ranks, cu))
+        elif getattr(self, key, missing) is not None:
+            setattr(self, key, None)  # a token without its support: this completion gets none
         return original(self, logprobs_lists)
     return _update_sample_logprobs
 
 
 def _attaching_output(original, delta_kind):
-    def _new_completion_output(self, token_ids, *args, **kwargs):
-        output = original(self, token_ids, *args, **kwargs)
-        log = getattr(self.logprobs_processor, _LOG, None)  # (None has no such attribute either)
-        support = None
-        if log is not None and log.num_rows:
-            if self.output_kind == delta_kind:
-                new = len(output.token_ids)
-                if log.sent + new == log.num_rows:
-                    support = LazySupport(log, log.sent, log.num_rows, self.request_id)
-                    log.sent = log.num_rows
-            elif len(output.token_ids) == log.num_rows:
-                support = LazySupport(log, 0, log.num_rows, self.request_id)
-        setattr(output, FIELD, support)
-        return output
+    """The wrapper of `_new_completion_output`. vLLM 0.32 and 0.34 declare (self, token_ids, finish_reason,
+    stop_reason) and call it positionally: that signature gets a wrapper without *args / **kwargs (their
+    packing was a third of the wrapper's cost); any other (some releases add routed_experts) the generic one."""
+    attach = _attaching(delta_kind)
+    if list(inspect.signature(original).parameters) == ["self", "token_ids", "finish_reason", "stop_reason"]:
+        def _new_completion_output(self, token_ids, finish_reason, stop_reason):
+            return attach(self, original(self, token_ids, finish_reason, stop_reason))
+    else:
+        def _new_completion_output(self, token_ids, *args, **kwargs):
+            return attach(self, original(self, token_ids, *args, **kwargs))
     return _new_completion_output
+
+
+def _attaching(delta_kind):
+    # once per output (every step when streaming): a LazySupport is made without its __init__ (half the cost)
+    new_support, key, field = object.__new__, _LOG, FIELD
+
+    def attach(state, output):
+        log = getattr(state.logprobs_processor, key, None)  # (None has no such attribute either)
+        support = None
+        if log is not None:
+            stop = log.num_rows
+            start = log.sent if state.output_kind == delta_kind else 0
+            if stop and start + len(output.token_ids) == stop:
+                support = new_support(LazySupport)
+                support._log, support._start, support._stop, support._request_id = log, start, stop, state.request_id
+                log.sent = stop
+        setattr(output, field, support)
+        return output
+    return attach

@@ -62,6 +62,31 @@ def test_final_output_carries_a_row_per_token_and_vllm_sees_its_own_columns(clas
     assert state.logprobs_processor.seen_ids == [[3, 0, 1], [4, 0, 1]]  # no block column reached vLLM's loop
 
 
+def test_a_release_with_another_signature_gets_the_generic_wrapper():
+    """Releases that add `routed_experts` (a fourth argument, positional or by name) keep it: the fast wrapper
+    is for vLLM 0.32 / 0.34's exact (token_ids, finish_reason, stop_reason) only."""
+    processor_cls, state_cls = output_classes()
+    three = state_cls._new_completion_output
+
+    def with_experts(self, token_ids, finish_reason, stop_reason, routed_experts=None):
+        out = three(self, token_ids, finish_reason, stop_reason)
+        out.routed = routed_experts
+        return out
+
+    state_cls._new_completion_output = with_experts
+    outputs.install(processor_cls, state_cls, OutputKind.DELTA)
+    try:
+        for call in (lambda s: s._new_completion_output(None, "stop", None, "experts"),
+                     lambda s: s._new_completion_output(None, "stop", None, routed_experts="experts")):
+            state = state_cls()
+            step(state, [2, 5], 5)
+            out = call(state)
+            assert out.routed == "experts" and rows_of(out.sampling_support) == [[2, 5]]
+    finally:
+        _patching.undo()
+    assert state_cls._new_completion_output is with_experts
+
+
 def test_nothing_is_decoded_before_the_support_is_read(classes, monkeypatch):
     _, state_cls = classes
     state = state_cls()
