@@ -38,16 +38,6 @@ def install(logprobs_processor_cls, request_state_cls, delta_kind) -> None:
                    lambda original: _attaching_output(original, delta_kind))
 
 
-def split(logprobs_lists):
-    """(vLLM's own lists, the support blocks or None): the ids past the log-probs' width are blocks (the cut
-    the update wrapper makes, written out there again because it runs once per request and step)."""
-    ids = logprobs_lists[0]
-    width = logprobs_lists[1].shape[1]
-    if ids.shape[1] <= width:
-        return logprobs_lists, None
-    return logprobs_lists._make((ids[:, :width], *logprobs_lists[1:])), ids[:, width:]
-
-
 class BlockLog:
     """One request's blocks as they came, decoded on demand into one growing CSR buffer. `steps` holds each
     step's whole int32 [rows, columns] id array (a view, as vLLM handed it) and `skips` the log-probs' width
@@ -116,12 +106,10 @@ def _grown(values: np.ndarray, need: int, filled: int) -> np.ndarray:
 class LazySupport:
     """Rows [start, stop) of a request's BlockLog with SupportRows' fields (token_ids, offsets, vocab_size,
     num_rows): decoded and checked on the first read of token_ids, offsets or vocab_size, then kept.
-    Pickles as the plain SupportRows (Ray, multiprocessing)."""
+    Pickles as the plain SupportRows (Ray, multiprocessing). Made by the output wrapper (`_attaching`),
+    which sets the first four slots itself: no __init__ call per output."""
 
     __slots__ = ("_log", "_start", "_stop", "_request_id", "_rows")
-
-    def __init__(self, log: BlockLog, start: int, stop: int, request_id):
-        self._log, self._start, self._stop, self._request_id = log, start, stop, request_id
 
     @property
     def num_rows(self) -> int:

@@ -139,10 +139,17 @@ def test_rows_that_disagree_with_the_tokens_are_not_attached(classes):
     assert state._new_completion_output(None, "length", None).sampling_support is None
 
 
-def test_split_leaves_plain_lists_alone():
-    plain_lists = lists(np.zeros((2, 3), np.int32), 2)
-    plain, blocks = outputs.split(plain_lists)
-    assert plain is plain_lists and blocks is None
+def test_lists_without_blocks_reach_vllm_untouched():
+    processor_cls, state_cls = output_classes()
+    seen = []
+    processor_cls._update_sample_logprobs = lambda self, logprobs_lists: seen.append(logprobs_lists)
+    outputs.install(processor_cls, state_cls, OutputKind.DELTA)
+    try:
+        plain_lists = lists(np.zeros((2, 3), np.int32), 2)
+        processor_cls()._update_sample_logprobs(plain_lists)
+    finally:
+        _patching.undo()
+    assert seen == [plain_lists] and seen[0] is plain_lists
 
 
 def test_cumulative_outputs_carry_all_rows_so_far_without_rejoining(classes):
