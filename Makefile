@@ -72,7 +72,7 @@ export MASK_REPLAY_FORCE_CUDA := 1
 endif
 
 .PHONY: venv build test test-fast lint demo example experiment bench clean asan check-vllm-logprobs venv-vllm experiment-trl \
-	model-export check-vllm-support bench-vllm-support venv-verl check-verl check-verl-vllm venv-vllm-034 venv-verl-e2e \
+	model-export check-vllm-support bench-vllm-support bench-trl-vllm venv-verl check-verl check-verl-vllm venv-vllm-034 venv-verl-e2e \
 	experiment-verl-e2e
 
 $(VENV)/.deps: requirements.txt
@@ -261,6 +261,10 @@ experiment-trl: venv-vllm
 	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs no_replay
 	MASK_REPLAY_VLLM_SUPPORT=1 $(VLLM_RUN) experiment $(TRL_FLAGS) --generation vllm --runs replay
 	$(VLLM_RUN) experiment $(TRL_FLAGS) --generation transformers --runs both
+
+# TRL's colocate training step, replay (with the plugin) against plain, alternating runs: benchmarks/bench_trl_vllm.py
+bench-trl-vllm: venv-vllm
+	MASK_REPLAY_EXTENSION=$(VLLM_EXT) $(VLLM_PY) benchmarks/bench_trl_vllm.py $(BENCH_FLAGS)
 
 # make venv-verl  the verl 0.9.1 venv (VERL_VENV): verl needs transformers <5.11, so it cannot share TRL's venv;
 #                  verl --no-deps plus what the modules mask_replay uses import (requirements-verl.txt), and

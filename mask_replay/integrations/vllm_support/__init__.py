@@ -98,7 +98,9 @@ def install() -> None:
     outputs.install(LogprobsProcessor, RequestState, RequestOutputKind.DELTA)
     if _in_server_process():
         completion, chat = (importlib.import_module(name) for name in _SERVING_MODULES)
-        serving.install(completion.OpenAIServingCompletion, chat.OpenAIServingChat)
+        chat_batch = _optional_module("vllm.entrypoints.openai.chat_completion.batch_serving")  # 0.34's endpoint
+        serving.install(completion.OpenAIServingCompletion, chat.OpenAIServingChat,
+                        None if chat_batch is None else chat_batch.OpenAIServingChatBatch)
 
 
 def _optional_module(name: str):

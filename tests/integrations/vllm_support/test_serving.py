@@ -30,9 +30,21 @@ class Chat:
         return SimpleNamespace(choices=[SimpleNamespace(index=o.index) for o in reversed(final.outputs)])
 
 
+class ChatBatch:
+    """vLLM 0.34's batch handler: every generator drained, choices by conversation, then completion."""
+
+    async def chat_completion_full_generator_batch(self, request, generators, *rest):
+        finals = []
+        for generator in generators:
+            async for res in generator:
+                final = res
+            finals.append(final)
+        return SimpleNamespace(choices=[SimpleNamespace(index=i) for i, f in enumerate(finals) for _ in f.outputs])
+
+
 @pytest.fixture
 def patched():
-    serving.install(Completion, Chat)
+    serving.install(Completion, Chat, ChatBatch)
     yield
     _patching.undo()
 
@@ -60,3 +72,13 @@ def test_chat_choices_by_index_from_the_last_output(patched):
 def test_a_completion_without_support_gets_no_field(patched):
     response = Completion().request_output_to_completion_response([SimpleNamespace(outputs=[out(0, None)])], None)
     assert not hasattr(response.choices[0], "sampling_support")
+
+
+def test_batch_chat_choices_by_conversation_from_each_last_output(patched):
+    async def results(*steps):
+        for step in steps:
+            yield SimpleNamespace(outputs=step)
+
+    generators = [results([out(0, [[9]])], [out(0, [[1]])]), results([out(0, [[2, 3]]), out(1, [[4]])])]
+    response = asyncio.run(ChatBatch().chat_completion_full_generator_batch(None, generators))
+    assert [rows(c) for c in response.choices] == [[[1]], [[2, 3]], [[4]]]
