@@ -4,8 +4,10 @@ Run with the engine venv's Python (real vLLM classes: `LogprobsTensors.tolists`,
 slice_request`, `EngineCoreOutput(s)` and vLLM's `MsgpackEncoder`, the path a step takes from the engine
 core to the API process):
 
-    PYTHONPATH=$PWD /work/main/.venv-vllm/bin/python benchmarks/bench_vllm_support_wire.py \
+    PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/bench_vllm_support_wire.py \
         --logits /tmp/smol_logits.safetensors   # benchmarks/real_logits.py --dtype float32
+    PYTHONPATH=$PWD .venv-vllm-034/bin/python benchmarks/bench_vllm_support_wire.py \
+        --logits /tmp/smol_logits.safetensors --ids-dtype int64   # vLLM 0.34's classes, MRV2's int64 ids
 
 1. bytes: per (V, B, sampling) one decode step of B requests whose supports come from real SmolLM2 logits
    (rows taken in turn from the dump, T = 1; top-p by vLLM's rule, top-k with ties kept; a sampled id drawn
@@ -20,10 +22,10 @@ core to the API process):
 2. API: a recorded stream (T steps of B requests, one token each, the engine core's per-request lists)
    driven through the plugin's `_update_sample_logprobs` / `_new_completion_output` wrappers on
    vLLM-shaped stand-ins whose own bodies do nothing, against the same stand-ins unwrapped, alternated,
-   medians (the recorded stream frozen out of the garbage collector's scans, as vLLM freezes its start-up heap;
-   the collector on while timing): wrapped minus unwrapped per token, for DELTA and CUMULATIVE streams (an output every step:
-   AsyncLLM's streaming, verl's rollout server) and FINAL_ONLY (`LLM.generate`, TRL colocate); then the
-   first read of the supports (the lazy decode) per token: every DELTA output, each request's last
+   medians (the recorded stream frozen out of the garbage collector's scans, as vLLM freezes its start-up
+   heap; the collector on while timing): wrapped minus unwrapped per token, for DELTA and CUMULATIVE streams
+   (an output every step: AsyncLLM's streaming, verl's rollout server) and FINAL_ONLY (`LLM.generate`, TRL
+   colocate); then the first read of the supports (the lazy decode) per token: every DELTA output, each request's last
    CUMULATIVE / FINAL_ONLY output.
 Prints one JSON line per figure, then `RESULT {...}`.
 """
@@ -73,12 +75,12 @@ def drawn(support: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return torch.multinomial(support.float(), 1, generator=g)[:, 0]
 
 
-def step_lists(support: torch.Tensor, sampled: torch.Tensor, LogprobsTensors, with_blocks: bool):
+def step_lists(support: torch.Tensor, sampled: torch.Tensor, LogprobsTensors, with_blocks: bool, ids_dtype):
     """One decode step as the engine core sees it after the device-to-host copy: N = 0 (ids = the
-    sampled token, then the blocks)."""
-    ids = sampled[:, None].to(torch.int32)
+    sampled token, then the blocks; int64 ids, MRV2's, hold two block words a column)."""
+    ids = sampled[:, None].to(ids_dtype)
     if with_blocks:
-        ids = torch.cat([ids, wire.encode(support, sampled)], 1)
+        ids = torch.cat([ids, wire.as_columns(wire.encode(support, sampled), ids_dtype)], 1)
     rows = support.shape[0]
     return LogprobsTensors(ids, torch.zeros(rows, 1), torch.zeros(rows, dtype=torch.int64)).tolists()
 
@@ -89,7 +91,7 @@ def message_bytes(lists, EngineCoreOutput, EngineCoreOutputs, encoder) -> int:
     return sum(len(memoryview(b).cast("B")) for b in encoder.encode(EngineCoreOutputs(outputs=outs)))
 
 
-def bytes_figures(logits, vocab, rows, setting, classes, g) -> dict:
+def bytes_figures(logits, vocab, rows, setting, classes, g, ids_dtype) -> dict:
     LogprobsTensors, EngineCoreOutput, EngineCoreOutputs, encoder, injection = classes
     kind, value = SETTINGS[setting]
     start = int(torch.randint(0, logits.shape[0], (1,), generator=g))
@@ -100,14 +102,15 @@ def bytes_figures(logits, vocab, rows, setting, classes, g) -> dict:
     sampled = drawn(support, g)
     counts = support.sum(1).numpy().astype(np.int64)
     words = wire.bitmask_words(vocab)
-    with_b = message_bytes(step_lists(support, sampled, LogprobsTensors, True), EngineCoreOutput, EngineCoreOutputs,
-                           encoder)
-    without = message_bytes(step_lists(support, sampled, LogprobsTensors, False), EngineCoreOutput,
+    with_b = message_bytes(step_lists(support, sampled, LogprobsTensors, True, ids_dtype), EngineCoreOutput,
+                           EngineCoreOutputs, encoder)
+    without = message_bytes(step_lists(support, sampled, LogprobsTensors, False, ids_dtype), EngineCoreOutput,
                             EngineCoreOutputs, encoder)
     csr_min = np.minimum(4 * counts, vocab / 8) + 8
     listed = counts[counts <= words]
     old_width = words if ((counts > words) & (counts < vocab)).any() else (listed.max() if listed.size else 0)
-    return {"V": vocab, "B": rows, "sampling": setting, "mean_support": round(float(counts.mean()), 1),
+    return {"V": vocab, "B": rows, "sampling": setting, "ids": str(ids_dtype).removeprefix("torch."),
+            "mean_support": round(float(counts.mean()), 1),
             "wire_bytes_per_token": round((with_b - without) / rows, 1),
             "csr_min_bytes_per_token": round(float(csr_min.mean()), 1),
             "ratio": round((with_b - without) / float(csr_min.sum()), 3),
@@ -156,14 +159,14 @@ def drive(state_cls, stream, rows, kind) -> tuple[float, list]:
     return time.perf_counter() - t, made
 
 
-def api_figures(logits, setting, rows, steps, reps, classes, g) -> dict:
+def api_figures(logits, setting, rows, steps, reps, classes, g, ids_dtype) -> dict:
     LogprobsTensors = classes[0]
     kind, value = SETTINGS[setting]
     stream = []
     for s in range(steps):
         take = logits[(s * rows + torch.arange(rows)) % logits.shape[0]]
         support = supports_of(take, kind, value)
-        lists = step_lists(support, drawn(support, g), LogprobsTensors, True)
+        lists = step_lists(support, drawn(support, g), LogprobsTensors, True, ids_dtype)
         stream.append([lists.slice_request(r, 1) for r in range(rows)])
     # The recorded stream is this benchmark's fixture, not the API process's heap (there each step's lists are
     # gone after the step): frozen out of the collector's scans, as vLLM freezes its static heap after start-up
@@ -206,6 +209,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--api-batch", type=int, default=256)
     ap.add_argument("--parts", default="bytes,api", help="which figures: bytes, api or both")
+    ap.add_argument("--ids-dtype", default="int32", choices=("int32", "int64"),
+                    help="the log-prob id tensor's dtype: int32 (the V1 runner's) or int64 (Model Runner V2's)")
     args = ap.parse_args()
     from safetensors.torch import load_file
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -213,6 +218,7 @@ def main() -> None:
     from vllm.v1.serial_utils import MsgpackEncoder
 
     torch.set_num_threads(1)
+    ids_dtype = getattr(torch, args.ids_dtype)
     logits = load_file(args.logits)["logits"].float()
     assert logits.shape[1] == SMALL_V, logits.shape
     g = torch.Generator().manual_seed(0)
@@ -223,11 +229,11 @@ def main() -> None:
     for vocab in (SMALL_V, 151936) if "bytes" in args.parts else ():
         for rows in (1, 64, 256):
             for setting in SETTINGS:
-                fig = bytes_figures(logits, vocab, rows, setting, classes, g)
+                fig = bytes_figures(logits, vocab, rows, setting, classes, g, ids_dtype)
                 results["bytes"].append(fig)
                 print(json.dumps(fig), flush=True)
     for setting in SETTINGS if "api" in args.parts else ():
-        fig = api_figures(logits, setting, args.api_batch, args.steps, args.reps, classes, g)
+        fig = api_figures(logits, setting, args.api_batch, args.steps, args.reps, classes, g, ids_dtype)
         results["api"].append(fig)
         print(json.dumps(fig), flush=True)
     _patching.undo()

@@ -79,7 +79,9 @@ class Observer:
             width = lps.shape[1]
             refs = getattr(proc, "_reference", [])
             if ids.shape[1] > width + 1:
-                observer.padded_columns += ids.shape[1] - width - 2 - wire.payload_width(ids[:, width:width + 2])
+                words = wire.words_of(ids[:, width:])  # int32 words (MRV2's int64 ids: two a column)
+                need = 2 + wire.payload_width(words[:, :2])  # header and the widest row's payload, in words
+                observer.padded_columns += ids.shape[1] - width - -(-need // (ids.itemsize // 4))
             for r in range(ids.shape[0]):
                 row = np.sort(ids[r, 1:width][np.isfinite(lps[r, 1:width])]).astype(np.int32)
                 # greedy: the sampled token must attain the top log-prob (ties may put another id first)

@@ -11,13 +11,18 @@ the support, so the step never waits for the host). Two wrappers, each following
   rows of the step, and the output processor's `_trim_surplus_tokens`): cut to that request's own rows.
 msgpack then sends the request's [rows, width] ids (a non-contiguous view is packed by its bytes,
 `vllm/v1/serial_utils.py` `_encode_ndarray`), so what crosses the process boundary to the API is each
-row's payload (4 bytes an id, or ceil(V / 32) words) plus the widest row's padding and the 8-byte header.
+row's payload (4 bytes an id, or ceil(V / 32) words; on MRV2's int64 ids two words a column) plus the
+widest row's padding and the 8-byte header.
 Lists whose ids are not wider than their log-probs (no blocks) pass unchanged; a damaged header never
 widens anything and is refused by the decoder.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from mask_replay.integrations.vllm_support import _patching, wire
+
+_ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))  # V1's ids and MRV2's; any other carries no blocks of ours
 
 
 def install(logprobs_tensors_cls, logprobs_lists_cls) -> None:
@@ -29,13 +34,19 @@ def install(logprobs_tensors_cls, logprobs_lists_cls) -> None:
 
 
 def narrowed(lists):
-    """`lists` (a LogprobsLists) with its ids cut to the width of the widest block it holds."""
+    """`lists` (a LogprobsLists) with its ids cut to the width of the widest block it holds (in columns of
+    the ids' dtype: an int64 column holds two of the blocks' int32 words)."""
     ids = lists[0]
     width = lists[1].shape[1]
-    spare = ids.shape[1] - width - wire.HEADER  # payload columns after the header
+    if ids.shape[1] <= width or ids.dtype not in _ID_DTYPES:
+        return lists
+    words = wire.words_of(ids[:, width:])
+    spare = words.shape[1] - wire.HEADER  # payload words after the header
     if spare <= 0:
         return lists
-    keep = width + wire.HEADER + min(wire.payload_width(ids[:, width:width + wire.HEADER]), spare)
+    need = wire.HEADER + min(wire.payload_width(words[:, :wire.HEADER]), spare)
+    per_column = ids.itemsize // 4
+    keep = width + -(-need // per_column)
     if keep == ids.shape[1]:
         return lists
     return lists._make((ids[:, :keep], *lists[1:]))

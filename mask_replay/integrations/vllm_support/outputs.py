@@ -73,12 +73,12 @@ class BlockLog:
         if self._error is not None:
             raise EngineOutputError(self._error)
         steps, skips, self.steps, self.skips = self.steps, self.skips, [], []
-        blocks = [s[:, skip:] for s, skip in zip(steps, skips)]
-        values = np.concatenate([b.ravel() for b in blocks]).astype(np.int32, copy=False)
-        widths = np.repeat(np.array([b.shape[1] for b in blocks], dtype=np.int64),
-                           [b.shape[0] for b in blocks])
-        starts = np.cumsum(widths) - widths
         try:
+            blocks = [wire.words_of(s[:, skip:]) for s, skip in zip(steps, skips)]  # int32 words (MRV2: 2 a column)
+            values = np.concatenate([b.ravel() for b in blocks])
+            widths = np.repeat(np.array([b.shape[1] for b in blocks], dtype=np.int64),
+                               [b.shape[0] for b in blocks])
+            starts = np.cumsum(widths) - widths
             new = wire.decode_flat(values, starts, widths)
             if self._vocab is not None and new.vocab_size != self._vocab:
                 raise wire.BlockError(0, f"vocabulary width {new.vocab_size} in the block header, the request's "

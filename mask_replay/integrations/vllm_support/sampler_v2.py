@@ -13,9 +13,10 @@ Follows vLLM 0.34.0's `vllm/v1/worker/gpu/sample/sampler.py` (class `Sampler`) a
   exactly 0: vLLM's own rule, `any_greedy`; those rows take the plain argmax).
 - `Sampler.__call__(logits, input_batch)` builds the `SamplerOutput`; its `logprobs_tensors` (from
   `compute_topk_scores`, one row per request) gets the blocks of `wire.encode` appended to
-  `logprob_token_ids` (int64 in MRV2: the blocks are cast to it), the columns past the log-probs' width, as
-  in the V1 patch (`sampler.py`). Rows of requests still in chunked prefill are sampled and dropped by vLLM
-  (`num_sampled` 0) with their log-probs, so rows stay one per generated token.
+  `logprob_token_ids` (int64 in MRV2: two int32 words a column, `wire.as_columns`, so a row costs what it
+  costs on V1), the columns past the log-probs' width, as in the V1 patch (`sampler.py`). Rows of requests
+  still in chunked prefill are sampled and dropped by vLLM (`num_sampled` 0) with their log-probs, so rows
+  stay one per generated token.
 - `Sampler.__init__` refuses, at engine start-up, what the support cannot describe: a raw log-prob mode,
   speculative decoding (`sampler.check_engine`), custom logits processors (`custom_logits_processors`, from
   `--logits-processors` or the `vllm.logits_processors` entry points: a processor may change relative
@@ -107,7 +108,7 @@ def _widening_call(original):
         if processed.shape[0] != ids.shape[0]:
             return out
         blocks = wire.encode(processed > float("-inf"), out.sampled_token_ids[:, 0], greedy)
-        widened = torch.cat([ids, blocks.to(device=ids.device, dtype=ids.dtype)], dim=1)
+        widened = torch.cat([ids, wire.as_columns(blocks.to(ids.device), ids.dtype)], dim=1)
         out.logprobs_tensors = tensors._replace(logprob_token_ids=widened)
         return out
     return __call__

@@ -19,13 +19,14 @@ def patched():
     _patching.undo()
 
 
-def step_tensors(supports: list, n: int = 1) -> LogprobsTensors:
+def step_tensors(supports: list, n: int = 1, dtype=torch.int32) -> LogprobsTensors:
+    """int32 ids (V1), or int64 (Model Runner V2: two block words a column)."""
     support = torch.zeros(len(supports), V, dtype=torch.bool)
     for r, ids in enumerate(supports):
         support[r, ids] = True
     sampled = torch.tensor([ids[0] if ids else 0 for ids in supports])
-    blocks = wire.encode(support, sampled)
-    ids = torch.cat([sampled[:, None].repeat(1, n).to(torch.int32), blocks], 1)
+    blocks = wire.as_columns(wire.encode(support, sampled), dtype)
+    ids = torch.cat([sampled[:, None].repeat(1, n).to(dtype), blocks], 1)
     return LogprobsTensors(ids, torch.zeros(len(supports), n), torch.zeros(len(supports), dtype=torch.int64))
 
 
@@ -48,6 +49,17 @@ def test_the_step_is_cut_to_its_widest_row_and_each_request_to_its_own(patched):
     assert [decoded(step.slice_request(r, 1), 2)[0] for r in range(4)] == SUPPORTS
     pair = step.slice_request(1, 2)  # several positions of one request (a stop-string trim, spec decode)
     assert pair.logprob_token_ids.shape[1] == 2 + wire.HEADER + 20 and decoded(pair, 2) == SUPPORTS[1:3]
+
+
+def test_int64_ids_are_cut_to_the_columns_their_words_need(patched):
+    """MRV2: a row's words two a column, so its columns are half its words, rounded up."""
+    step = step_tensors(SUPPORTS, n=2, dtype=torch.int64).tolists()
+    assert step.logprob_token_ids.dtype == np.int64
+    assert step.logprob_token_ids.shape == (4, 2 + (wire.HEADER + 20 + 1) // 2)
+    assert decoded(step, 2) == SUPPORTS
+    widths = [step.slice_request(r, 1).logprob_token_ids.shape[1] for r in range(4)]
+    assert widths == [2 + (wire.HEADER + len(s) + 1) // 2 for s in SUPPORTS]
+    assert [decoded(step.slice_request(r, 1), 2)[0] for r in range(4)] == SUPPORTS
 
 
 def test_bitmask_and_whole_rows_keep_what_they_need(patched):

@@ -229,9 +229,11 @@ def test_consumers_read_the_lazy_support_as_a_support_rows(classes):
 
 @settings(max_examples=60, deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(1, 3), st.sampled_from([0.0, 0.03, 0.3, 1.0]), st.integers(0, 2**31 - 1)),
-                      min_size=1, max_size=10), kind=st.sampled_from(list(OutputKind)), vocab=st.integers(1, 90))
-def test_streams_round_trip_through_the_api_half(steps, kind, vocab):
-    # several tokens a step (a stop string's trim, speculative-like), narrowed per step, every output kind
+                      min_size=1, max_size=10), kind=st.sampled_from(list(OutputKind)), vocab=st.integers(1, 90),
+       dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_streams_round_trip_through_the_api_half(steps, kind, vocab, dtype):
+    # several tokens a step (a stop string's trim, speculative-like), narrowed per step, every output kind;
+    # int32 ids (V1) and int64 (MRV2: two block words a column)
     processor_cls, state_cls = output_classes()
     outputs.install(processor_cls, state_cls, OutputKind.DELTA)
     try:
@@ -240,9 +242,9 @@ def test_streams_round_trip_through_the_api_half(steps, kind, vocab):
             g = torch.Generator().manual_seed(seed)
             support = torch.rand(rows, vocab, generator=g) < density
             sampled = torch.randint(0, vocab, (rows,), generator=g)
-            blocks = wire.encode(support, sampled).numpy()
-            blocks = blocks[:, :wire.HEADER + wire.payload_width(blocks[:, :2])]
-            ids = np.concatenate([sampled.numpy().astype(np.int32)[:, None], blocks], axis=1)
+            blocks = wire.encode(support, sampled)
+            blocks = wire.as_columns(blocks[:, :wire.HEADER + wire.payload_width(blocks[:, :2].numpy())], dtype)
+            ids = torch.cat([sampled.to(dtype)[:, None], blocks], dim=1).numpy()
             state.tokens.extend(sampled.tolist())
             state.logprobs_processor._update_sample_logprobs(lists(ids, 0))
             new = [torch.nonzero(r)[:, 0].tolist() for r in support]

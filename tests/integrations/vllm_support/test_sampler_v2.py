@@ -56,6 +56,7 @@ def test_each_row_is_the_finite_processed_entries_and_vllms_columns_stay(patched
     width = plain.logprobs_tensors.logprobs.shape[1]
     ids = out.logprobs_tensors.logprob_token_ids
     assert ids.dtype == torch.int64 and torch.equal(ids[:, :width], plain.logprobs_tensors.logprob_token_ids)
+    assert ids.shape[1] == width + -(-(wire.HEADER + wire.bitmask_words(VOCAB)) // 2)  # two words a column
     assert torch.equal(out.logprobs_tensors.logprobs, plain.logprobs_tensors.logprobs)
     rows = wire.decode(ids[:, width:].numpy())
     assert len(rows) == len(MIXED)

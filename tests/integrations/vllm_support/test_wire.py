@@ -57,6 +57,11 @@ def test_round_trip_equals_the_reference(vocab, rows, density, seed, with_greedy
     assert decoded(narrowed(blocks)) == expected  # the host's column cut never loses an id
     assert torch.equal(wire.encode_on_host(support, sampled, greedy), blocks)  # the CPU path: the same tensor
     assert torch.equal(wire.encode(support, sampled, greedy), blocks)
+    # MRV2's int64 ids: two words a column, the same rows, 4 bytes an id still (one -1 word for an odd width)
+    packed = wire.as_columns(blocks, torch.int64)
+    assert packed.dtype == torch.int64 and packed.shape == (rows, -(-blocks.shape[1] // 2))
+    assert np.array_equal(wire.words_of(packed.numpy())[:, :blocks.shape[1]], blocks.numpy())
+    assert decoded(packed) == expected
 
 
 def test_each_row_takes_the_smaller_layout_and_the_width_is_fixed():
@@ -112,6 +117,7 @@ def test_the_encode_has_no_data_dependent_shape():
     meta = torch.empty(rows, vocab, dtype=torch.bool, device="meta")
     blocks = wire.encode(meta, torch.empty(rows, dtype=torch.int64, device="meta"), None)  # not a CPU tensor:
     assert blocks.shape == (rows, wire.HEADER + 4748) and blocks.device.type == "meta"  # the device path
+    assert wire.as_columns(blocks, torch.int64).shape == (rows, 2375)  # MRV2's columns: a static shape too
 
 
 def test_bitmask_words_match_numpy_packbits():
@@ -217,3 +223,17 @@ def test_join_gives_csr():
     rows = wire.join([np.array([1, 4], np.int32), np.array([], np.int32), np.array([0], np.int32)], 8)
     assert rows.offsets.tolist() == [0, 2, 2, 3] and rows.token_ids.tolist() == [1, 4, 0] and rows.vocab_size == 8
     assert wire.join([], 8).num_rows == 0
+
+
+def test_block_columns_of_another_dtype_are_refused():
+    with pytest.raises(TypeError, match="int32 or int64"):
+        wire.as_columns(torch.zeros(1, 3, dtype=torch.int32), torch.int16)
+    with pytest.raises(EngineOutputError, match="dtype float32"):
+        wire.decode(np.zeros((1, 4), np.float32))
+
+
+def test_int64_columns_split_into_their_two_words_little_end_first():
+    packed = wire.as_columns(torch.tensor([[10, wire.WHOLE, -1]], dtype=torch.int32), torch.int64)
+    assert packed.tolist() == [[(wire.WHOLE << 32) | 10, -1]]  # V in the low half, H in the high half, -1 padding
+    assert wire.words_of(packed.numpy()).tolist() == [[10, wire.WHOLE, -1, -1]]
+    assert decoded(packed) == [list(range(10))]
