@@ -27,6 +27,9 @@ core to the API process):
    (an output every step: AsyncLLM's streaming, verl's rollout server) and FINAL_ONLY (`LLM.generate`, TRL
    colocate); then the first read of the supports (the lazy decode) per token: every DELTA output, each request's last
    CUMULATIVE / FINAL_ONLY output.
+3. encode (`--parts encode`): the sampler half's host work on a CPU engine per step of B = 1, 8, 32, 256 real
+   rows (`> -inf` and `wire.encode`'s numpy path), against a softmax of the same [B, V] logits timed in the
+   same loop; its share of an engine step is this over the step time `bench_vllm_support.py` gives.
 Prints one JSON line per figure, then `RESULT {...}`.
 """
 from __future__ import annotations
@@ -202,13 +205,35 @@ def api_figures(logits, setting, rows, steps, reps, classes, g, ids_dtype) -> di
     return {"sampling": setting, "B": rows, "steps": steps, **figures}
 
 
+def encode_figures(logits, rows, setting, reps) -> dict:
+    """The sampler half's host work on a CPU engine, per step of `rows` real rows: the support read off the
+    processed logits (`> -inf`) and `wire.encode` (its numpy path), against a softmax of the same logits
+    timed in the same loop (what the sampler computes anyway for its log-probs)."""
+    kind, value = SETTINGS[setting]
+    take = logits[torch.arange(rows) % logits.shape[0]]
+    support = supports_of(take, kind, value)
+    processed = take.masked_fill(~support, float("-inf"))
+    sampled = drawn(support, torch.Generator().manual_seed(rows))
+    plugin_t, softmax_t = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        wire.encode(processed > float("-inf"), sampled, None)
+        plugin_t.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        torch.softmax(processed, dim=-1)
+        softmax_t.append(time.perf_counter() - t)
+    plugin, softmax = statistics.median(plugin_t), statistics.median(softmax_t)
+    return {"B": rows, "sampling": setting, "plugin_ms_per_step": round(plugin * 1e3, 3),
+            "softmax_ms_per_step": round(softmax * 1e3, 3), "plugin_over_softmax": round(plugin / softmax, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--logits", required=True, help="a dump of benchmarks/real_logits.py (float32)")
     ap.add_argument("--steps", type=int, default=64, help="steps of the API stream")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--api-batch", type=int, default=256)
-    ap.add_argument("--parts", default="bytes,api", help="which figures: bytes, api or both")
+    ap.add_argument("--parts", default="bytes,api", help="which figures, comma-separated: bytes, api, encode")
     ap.add_argument("--ids-dtype", default="int32", choices=("int32", "int64"),
                     help="the log-prob id tensor's dtype: int32 (the V1 runner's) or int64 (Model Runner V2's)")
     args = ap.parse_args()
@@ -225,13 +250,18 @@ def main() -> None:
     injection = torch.randperm(151936, generator=g)[:SMALL_V]
     narrowing.install(LogprobsTensors, LogprobsLists)
     classes = (LogprobsTensors, EngineCoreOutput, EngineCoreOutputs, MsgpackEncoder(), injection)
-    results = {"bytes": [], "api": []}
+    results = {"bytes": [], "api": [], "encode": []}
     for vocab in (SMALL_V, 151936) if "bytes" in args.parts else ():
         for rows in (1, 64, 256):
             for setting in SETTINGS:
                 fig = bytes_figures(logits, vocab, rows, setting, classes, g, ids_dtype)
                 results["bytes"].append(fig)
                 print(json.dumps(fig), flush=True)
+    for rows in (1, 8, 32, 256) if "encode" in args.parts else ():
+        for setting in ("top_p 0.9", "top_k 50", "untruncated"):
+            fig = encode_figures(logits, rows, setting, 9 * args.reps)
+            results["encode"].append(fig)
+            print(json.dumps(fig), flush=True)
     for setting in SETTINGS if "api" in args.parts else ():
         fig = api_figures(logits, setting, args.api_batch, args.steps, args.reps, classes, g, ids_dtype)
         results["api"].append(fig)

@@ -123,9 +123,12 @@ def test_killed_rank_fails_the_run_and_writes_nothing(data):
 
 
 def test_hung_rank_times_out(data):
+    # 10-20 s on a quiet machine; the bound is wider than the helper's 60 s because, after the 5 s collective
+    # timeout, torchrun's teardown of the hung rank (SIGTERM, then up to 30 s before SIGKILL) comes on top of two
+    # ranks' start-up, which a loaded CI machine stretches: a 60 s bound timed out there once (2026-12-08)
     proc = torchrun(2, WORKER, "score", "--masks", "masks1.safetensors", "--training", "training.safetensors",
-                    "--json", "hung.json", cwd=data, env={"MASK_REPLAY_TEST_FAIL": "1:hang",
-                                                          "MASK_REPLAY_DIST_TIMEOUT": "5"})
+                    "--json", "hung.json", cwd=data, timeout=180,
+                    env={"MASK_REPLAY_TEST_FAIL": "1:hang", "MASK_REPLAY_DIST_TIMEOUT": "5"})
     assert proc.returncode != 0
     assert "another rank died or hung (timeout MASK_REPLAY_DIST_TIMEOUT=5 s)" in proc.stderr, proc.stderr[-3000:]
     assert "Ranks 1 failed to pass monitoredBarrier" in proc.stderr
