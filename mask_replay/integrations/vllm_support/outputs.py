@@ -41,9 +41,9 @@ def install(logprobs_processor_cls, request_state_cls, delta_kind) -> None:
 
 class BlockLog:
     """One request's blocks as they came, decoded on demand into one growing CSR buffer. `steps` holds each
-    step's whole int32 [rows, columns] id array (a view, as vLLM handed it) and `skips` the log-probs' width
-    in it: the columns past it are the blocks (columns differ between steps: each is cut to its own widest
-    row). The cut is made at decode time, once per request, not in vLLM's output loop.
+    step's whole [rows, columns] id array (int32; MRV2's int64; a view, as vLLM handed it) and `skips` the
+    log-probs' width in it: the columns past it are the blocks (columns differ between steps: each is cut to
+    its own widest row). The cut is made at decode time, once per request, not in vLLM's output loop.
 
     Appending never changes what an earlier read handed out: decoded rows are written past the filled
     part, and growing moves to new arrays while old views keep the old ones."""
@@ -146,7 +146,7 @@ class LazySupport:
 def _splitting_update(original):
     # The hot path of the API process, once per request and step (issue 44: <= 1 us a token at B = 256):
     # one unpack, two size reads (the rows are the same, so wider ids have more elements), one view through
-    # an index made once per width (numpy's slice-tuple parsing was a third of the wrapper), one tuple, three
+    # an index made once per width (numpy's slice-tuple parsing was a fifth of the wrapper), one tuple, three
     # appends; names bound here, not looked up as globals. The blocks are cut off the ids at decode time.
     make_lists, key, missing, new_log = tuple.__new__, _LOG, _MISSING, BlockLog
     whole = slice(None)
